@@ -1,0 +1,142 @@
+"""run_job(): rows in -> prompts -> plan -> engine -> rows out, with checkpoints and metrics."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import sys
+
+import pyarrow.parquet as pq
+
+from batchllm.config import ConfigError, JobConfig, load_job, parse_size
+from batchllm.llm import LLM, RequestOutput
+from batchllm.progress import Progress, summary
+from batchllm.rows.reader import read_input
+from batchllm.rows.requests import build_rows
+from batchllm.rows.writer import CheckpointWriter, write_metrics
+
+
+class JobCannotStart(Exception):
+    """The job cannot start: the output exists, an input or the model is missing (exit code 2)."""
+
+
+class JobInterrupted(Exception):
+    """SIGINT or SIGTERM: finished rows were flushed; the job can be resumed."""
+
+
+def _file_digest(path: str) -> str:
+    h = hashlib.blake2b(digest_size=16)
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def fingerprint(cfg: JobConfig, files: tuple[str, ...]) -> dict:
+    """What must not change between a run and its resume: the model, the input and its
+    contents, the sampling settings. Engine settings and the order may change."""
+    d = cfg.to_dict()
+    return {
+        "model": d["model"]["path"],
+        "dtype": d["model"]["dtype"],
+        "input": {k: v for k, v in d["input"].items() if k != "path"},
+        "sampling": d["sampling"],
+        "files": [[os.path.basename(f), _file_digest(f)] for f in files],
+        "include": [cfg.output.include_prompt, cfg.output.include_token_ids],
+    }
+
+
+def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
+    """Apply output.mode; returns the rows already done (resume)."""
+    exists = os.path.exists(cfg.output.path)
+    if cfg.output.mode == "error" and (exists or writer.has_checkpoint()):
+        what = cfg.output.path if exists else writer.parts_dir
+        raise JobCannotStart(
+            f"output.path: {what} exists; set output.mode to overwrite or resume "
+            f"(--set output.mode=resume)"
+        )
+    if cfg.output.mode == "overwrite":
+        writer.clear()
+        return set()
+    if cfg.output.mode == "resume":
+        if exists and not writer.has_checkpoint():
+            return {-1}  # already complete: nothing to run
+        return writer.done_rows()
+    return set()
+
+
+def _kv_memory(value: float | str) -> float | int:
+    return parse_size(value) if isinstance(value, str) else value
+
+
+def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
+            progress: bool = True) -> dict:
+    """Run a job file (or a loaded config); returns the metrics, also written next to the output.
+    Raises ConfigError / JobCannotStart before anything runs when the job cannot start."""
+    cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
+    rows = read_input(cfg.input)
+    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files))
+    done = _prepare_output(cfg, writer)
+    if done == {-1}:
+        print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)
+        with open(cfg.output.path + ".metrics.json") as f:
+            return json.load(f)
+    e = cfg.engine
+    llm = LLM(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+              max_model_len=cfg.model.max_model_len, page_size=e.page_size,
+              kv_cache_memory=_kv_memory(e.kv_cache_memory), max_num_seqs=e.max_num_seqs,
+              max_batched_tokens=e.max_batched_tokens, prefix_sharing=e.prefix_sharing,
+              order=cfg.planner.order)
+    todo = [i for i in range(rows.num_rows) if i not in done]
+    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows, todo)
+    ids = rows.ids.to_pylist()
+    bar = Progress(rows.num_rows, len(done), enabled=progress)
+
+    def on_output(k: int, out: RequestOutput) -> None:
+        i = todo[k]
+        writer.add({
+            "row": i, "id": ids[i], "completion": out.text, "finish_reason": out.finish_reason,
+            "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
+            "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompts[k],
+            "token_ids": out.token_ids,
+        })
+        bar.row_done(out)
+
+    def interrupt(signum, frame) -> None:
+        raise JobInterrupted(signal.Signals(signum).name)
+
+    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        metrics = llm.run(inputs, on_output, bar.step)
+    except JobInterrupted as stop:
+        writer.flush()
+        bar.close()
+        print(f"\n{stop}: finished rows are saved in {writer.parts_dir}; resume with\n"
+              f"  batchllm run JOB.yaml --set output.mode=resume", file=sys.stderr)
+        raise
+    finally:
+        for s, h in previous.items():
+            signal.signal(s, h)
+    bar.close()
+    writer.finalize(rows.ids.type, _metadata(cfg, llm), cfg.output.include_prompt,
+                    cfg.output.include_token_ids, rows.num_rows)
+    reasons = pq.read_table(cfg.output.path, columns=["finish_reason"]).column(0).to_pylist()
+    errors = reasons.count("error")
+    metrics.update(rows=rows.num_rows, rows_ok=rows.num_rows - errors, rows_error=errors,
+                   rows_resumed=len(done), job=cfg.name)
+    write_metrics(cfg.output.path, metrics)
+    print(summary(metrics, cfg.output.path), file=sys.stderr)
+    return metrics
+
+
+def _metadata(cfg: JobConfig, llm: LLM) -> dict[str, str]:
+    return {
+        "batchllm.job": cfg.name,
+        "batchllm.model": cfg.model.path,
+        "batchllm.sampling": json.dumps(cfg.to_dict()["sampling"]),
+    }
+
+
+__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "run_job"]

@@ -1,0 +1,102 @@
+"""The KV cache tensors and the attention of one step over them.
+
+On CUDA the Triton kernels run; elsewhere their pure-torch twins. A step's attention is
+  own part:   every query against its sequence's pages from kv_start on (causal), and
+  prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
+merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 and is all.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kernels import reference
+
+
+@dataclass
+class StepMetadata:
+    """Where each token of a step goes and what it attends to (built once per step)."""
+
+    slot_mapping: torch.Tensor  # [T] int64, cache slot of each new token
+    page_table: torch.Tensor  # [B, max_pages] int32
+    cu_q: torch.Tensor  # [B+1] int32, query rows of sequence b
+    context_lens: torch.Tensor  # [B] int32, tokens in the cache after the step
+    kv_start: torch.Tensor  # [B] int32, first position of the own part
+    # Cascade groups: query rows [0, cascade_rows) belong to groups, contiguous per group.
+    cascade_rows: int = 0
+    prefix_pages: torch.Tensor | None = None  # [G, max_prefix_pages] int32
+    prefix_lens: torch.Tensor | None = None  # [G] int32
+    cu_prefix_q: torch.Tensor | None = None  # [G+1] int32
+
+
+@dataclass(frozen=True)
+class _Ops:
+    store_kv: Callable
+    paged_attention: Callable
+    prefix_attention: Callable
+    merge_states: Callable
+
+
+def _ops_for(device: torch.device) -> _Ops:
+    if device.type == "cuda":
+        import kernels  # the Triton launchers, only where they can run
+
+        return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
+                    kernels.merge_states)
+    return _Ops(reference.store_kv_ref, reference.paged_attention_ref,
+                reference.prefix_attention_ref, reference.merge_states_ref)
+
+
+class PagedAttention:
+    """Owns the paged KV cache of all layers; `store` and `attend` are called by each layer."""
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_pages: int,
+        page_size: int,
+        num_kv_heads: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        # torch.empty: pages are touched (and so resident on the CPU) only once used.
+        self.k_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.scale = head_dim**-0.5
+        self.ops = _ops_for(torch.device(device))
+        self.meta: StepMetadata | None = None
+
+    def copy_pages(self, src: list[int], dst: list[int]) -> None:
+        """Copy whole pages (all layers): a shared prefix's partial last page into a request's own."""
+        if not src:
+            return
+        s = torch.tensor(src, device=self.k_cache.device)
+        d = torch.tensor(dst, device=self.k_cache.device)
+        self.k_cache[:, d] = self.k_cache[:, s]
+        self.v_cache[:, d] = self.v_cache[:, s]
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [T, Hkv, D], written at the step's slot mapping."""
+        self.ops.store_kv(k, v, self.k_cache[layer], self.v_cache[layer], self.meta.slot_mapping)
+
+    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
+        """q: [T, Hq, D] -> o: [T, Hq, D]."""
+        m = self.meta
+        kc, vc = self.k_cache[layer], self.v_cache[layer]
+        o, lse = self.ops.paged_attention(
+            q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale
+        )
+        if m.cascade_rows:
+            n = m.cascade_rows
+            qc = q[:n]
+            o_pre, lse_pre = self.ops.prefix_attention(
+                qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, self.scale
+            )
+            merged, _ = self.ops.merge_states(o_pre, lse_pre, o[:n], lse[:n])
+            o[:n] = merged
+        return o

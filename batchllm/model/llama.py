@@ -1,0 +1,144 @@
+"""The Llama family's forward pass (Llama, SmolLM2, Mistral, Qwen2 with q/k/v bias) over paged KV.
+
+One call runs every token of a step, whatever request it belongs to and whether it is a prompt
+chunk or a decode: the tokens are flat ([T] ids and positions); attention finds each token's
+sequence through the step's metadata. Logits are computed only for the rows that sample.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from transformers import PretrainedConfig
+
+from batchllm.model.attention import PagedAttention
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the engine needs to know about a model: sizes, for the KV cache and the limits."""
+
+    num_layers: int
+    hidden_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_position: int
+
+    def kv_bytes_per_token(self, dtype: torch.dtype) -> int:
+        """2 (K and V) * L layers * H KV heads * A head size * bytes of the dtype."""
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * itemsize
+
+
+def model_shape(config: PretrainedConfig) -> ModelShape:
+    if config.model_type not in SUPPORTED_MODEL_TYPES:
+        raise ValueError(
+            f"model type {config.model_type!r} is not supported; supported: "
+            + ", ".join(SUPPORTED_MODEL_TYPES)
+        )
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    return ModelShape(
+        num_layers=config.num_hidden_layers,
+        hidden_size=config.hidden_size,
+        num_heads=config.num_attention_heads,
+        num_kv_heads=config.num_key_value_heads or config.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_position=config.max_position_embeddings,
+    )
+
+
+def _rope_tables(config: PretrainedConfig, max_position: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and sin per position, [max_position, head_dim] fp32, from transformers' own rotary
+    module, so every rope_type (default, llama3, yarn, ...) is computed as the reference does."""
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    rotary = LlamaRotaryEmbedding(config=config)
+    inv_freq = rotary.inv_freq.float()  # [head_dim/2]
+    positions = torch.arange(max_position, dtype=torch.float32)
+    freqs = positions[:, None] * inv_freq[None, :]  # [P, head_dim/2]
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+class _Layer:
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
+        att = prefix + "self_attn."
+        self.w_qkv = torch.cat([state[att + n + "_proj.weight"] for n in "qkv"])  # [(Hq+2Hkv)*D, H]
+        bias = [state.get(att + n + "_proj.bias") for n in "qkv"]
+        self.b_qkv = torch.cat(bias) if all(b is not None for b in bias) else None
+        self.w_o = state[att + "o_proj.weight"]  # [H, Hq*D]
+        mlp = prefix + "mlp."
+        self.w_gate_up = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
+        self.w_down = state[mlp + "down_proj.weight"]  # [H, I]
+        self.norm_in = state[prefix + "input_layernorm.weight"]
+        self.norm_post = state[prefix + "post_attention_layernorm.weight"]
+
+
+class LlamaModel:
+    """Weights and forward pass. `forward` is the only entry point the runner uses."""
+
+    def __init__(
+        self,
+        config: PretrainedConfig,
+        state: dict[str, torch.Tensor],
+        max_position: int,
+    ) -> None:
+        self.shape = model_shape(config)
+        self.eps = config.rms_norm_eps
+        self.embed = state["model.embed_tokens.weight"]  # [V, H]
+        self.lm_head = state.get("lm_head.weight", self.embed)  # [V, H]
+        self.norm = state["model.norm.weight"]
+        self.layers = [_Layer(state, f"model.layers.{i}.") for i in range(self.shape.num_layers)]
+        cos, sin = _rope_tables(config, max_position)
+        self.cos = cos.to(self.embed.device)  # [P, D]
+        self.sin = sin.to(self.embed.device)
+        self.dtype = self.embed.dtype
+
+    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        # As Hugging Face's LlamaRMSNorm: the variance in float32, the weight in the model dtype.
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return weight * x32.to(x.dtype)
+
+    @torch.inference_mode()
+    def forward(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: PagedAttention,  # the cache and this step's metadata
+        sample_rows: torch.Tensor,  # [S] int64, rows of the step whose logits are wanted
+    ) -> torch.Tensor:  # [S, V] fp32
+        s = self.shape
+        t = input_ids.shape[0]
+        hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        cos = self.cos[positions][:, None, :].to(self.dtype)  # [T, 1, D]
+        sin = self.sin[positions][:, None, :].to(self.dtype)
+        h = self.embed[input_ids]  # [T, H]
+        for i, layer in enumerate(self.layers):
+            x = self._rms_norm(h, layer.norm_in)
+            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (Hq+2Hkv)*D]
+            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
+            q = q.view(t, hq, d)
+            k = k.view(t, hkv, d)
+            q = q * cos + _rotate_half(q) * sin  # [T, Hq, D]
+            k = k * cos + _rotate_half(k) * sin  # [T, Hkv, D]
+            attention.store(i, k, v.view(t, hkv, d))
+            o = attention.attend(i, q)  # [T, Hq, D]
+            h = h + F.linear(o.reshape(t, hq * d), layer.w_o)
+            x = self._rms_norm(h, layer.norm_post)
+            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
+            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+        h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
+        return F.linear(h, self.lm_head).float()  # [S, V]

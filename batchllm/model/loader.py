@@ -1,0 +1,57 @@
+"""Load a model for the engine: resolve the path, read weights, tokenizer and stop tokens."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from batchllm.model.llama import LlamaModel
+from batchllm.model.weights import eos_token_ids, load_tokenizer, load_weights, resolve_model
+
+
+@dataclass
+class LoadedModel:
+    model: LlamaModel
+    tokenizer: object  # a transformers fast tokenizer
+    eos_ids: set[int]
+    folder: Path
+    name: str
+    device: torch.device
+    max_model_len: int
+
+
+def pick_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ValueError("model.device: cuda was asked for but no CUDA device is available")
+    return torch.device(device)
+
+
+def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
+
+
+def load_model(
+    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None
+) -> LoadedModel:
+    """`path` is a built-in alias or a local Hugging Face folder."""
+    dev = pick_device(device)
+    dt = pick_dtype(dtype, dev)
+    folder = resolve_model(path)
+    config, state = load_weights(folder, dt, dev)
+    limit = config.max_position_embeddings
+    if max_model_len is not None:
+        if max_model_len > limit:
+            raise ValueError(
+                f"model.max_model_len: {max_model_len} exceeds the model's limit of {limit}"
+            )
+        limit = max_model_len
+    tokenizer = load_tokenizer(folder)
+    model = LlamaModel(config, state, limit)
+    return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
+                       str(path), dev, limit)

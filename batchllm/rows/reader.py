@@ -1,0 +1,170 @@
+"""Parquet in: a file, a folder of .parquet files or a glob -> InputRows (plain data).
+
+Files are read in sorted path order, rows in file order; the row index over all files is the row's
+identity for checkpoints and output order. Only the needed columns are read.
+"""
+
+from __future__ import annotations
+
+import difflib
+import glob
+import os
+from dataclasses import dataclass
+
+import pyarrow as pa
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchllm.config import (
+    SAMPLING_FIELDS,
+    ConfigError,
+    InputConfig,
+    SamplingConfig,
+    check_value,
+)
+
+
+@dataclass(frozen=True)
+class InputRows:
+    """The rows of a job. Exactly one of `prompts` / `messages` is set.
+
+    ids: the input id column, or an int64 row index when there is none.
+    prompts: text per row; None where the cell is null (the engine makes that an error row).
+    messages: per row a list of {"role", "content"} dicts, or None where the cell is null.
+    overrides: per-row values of input columns named like sampling fields (None: job default).
+    """
+
+    ids: pa.Array
+    prompts: list[str | None] | None
+    messages: list[list[dict] | None] | None
+    overrides: dict[str, list]
+    num_rows: int
+    files: tuple[str, ...] = ()
+
+
+def input_files(path: str) -> list[str]:
+    """The Parquet files named by input.path, sorted; ConfigError when there are none."""
+    if any(c in path for c in "*?["):
+        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        if not files:
+            raise ConfigError(f"input.path: no files match {path!r}")
+        return files
+    if os.path.isdir(path):
+        files = []
+        for root, dirs, names in os.walk(path):  # hidden and _-prefixed (_SUCCESS, _tmp) skipped
+            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
+            files += [os.path.join(root, n) for n in names
+                      if n.endswith(".parquet") and not n.startswith((".", "_"))]
+        files.sort()
+        if not files:
+            raise ConfigError(f"input.path: the folder {path!r} holds no .parquet files")
+        return files
+    if not os.path.exists(path):
+        raise ConfigError(f"input.path: {path!r} does not exist")
+    return [path]
+
+
+def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigError:
+    close = difflib.get_close_matches(column, names, n=1)
+    hint = f"; did you mean {close[0]}?" if close else f"; columns are: {', '.join(names)}"
+    return ConfigError(f"{field}: column {column!r} not found in {file}{hint}")
+
+
+def _read(file: str, wanted: list[str | None]) -> pa.Table:
+    try:
+        pf = pq.ParquetFile(file)
+        names = pf.schema_arrow.names
+        return pf.read(columns=[c for c in dict.fromkeys(wanted) if c in names])
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
+
+
+def _strings(col: pa.ChunkedArray, field: str, name: str) -> list[str | None]:
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
+        raise ConfigError(f"{field}: column {name!r} has type {col.type}; expected string")
+    return col.to_pylist()
+
+
+def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict] | None]:
+    t = col.type
+    ok = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type)
+    if not ok or not {"role", "content"} <= {f.name for f in t.value_type}:
+        raise ConfigError(f"input.messages_column: column {name!r} has type {t}; expected "
+                          "list<struct<role: string, content: string>>")
+    return [None if row is None else [{"role": m["role"], "content": m["content"]}
+                                      for m in row if m is not None]
+            for row in col.to_pylist()]
+
+
+def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Table]) -> pa.Array:
+    name = cfg.id_column
+    having = [name in t.column_names for t in tables] if name else [False]
+    if name and not all(having) and (name != "id" or any(having)):
+        file = files[having.index(False)]
+        raise _missing("input.id_column", name, file, pq.read_schema(file).names)
+    if not name or not all(having):
+        return pa.array(range(table.num_rows), pa.int64())
+    ids = table.column(name).combine_chunks()
+    if pa.types.is_dictionary(ids.type):
+        ids = ids.cast(ids.type.value_type)
+    if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type)
+            or pa.types.is_large_string(ids.type)):
+        raise ConfigError(f"input.id_column: column {name!r} has type {ids.type}; "
+                          "expected integers or strings")
+    if ids.null_count:
+        raise ConfigError(f"input.id_column: column {name!r} has {ids.null_count} null values")
+    counts = pc.value_counts(ids)
+    dup = counts.filter(pc.greater(counts.field("counts"), 1)).field("values").to_pylist()
+    if dup:
+        shown = ", ".join(repr(d) for d in dup[:5]) + (", ..." if len(dup) > 5 else "")
+        raise ConfigError(f"input.id_column: {len(dup)} ids appear more than once: {shown}")
+    return ids
+
+
+def _override(name: str, col: pa.ChunkedArray) -> list:
+    """One per-row sampling column, each value checked by SamplingConfig's own field check."""
+    if pa.types.is_floating(col.type) and name in ("max_tokens", "top_k", "seed"):
+        try:  # e.g. pandas wrote integers with nulls as float64
+            col = col.cast(pa.int64())
+        except pa.ArrowInvalid:
+            pass
+    values, bad = col.to_pylist(), []
+    for i, v in enumerate(values):
+        if v is not None:
+            try:
+                values[i] = check_value(SamplingConfig, name, v)
+            except ConfigError as e:
+                bad.append(f"row {i}: {e.errors[0].split(': ', 1)[1]}")
+    if bad:
+        raise ConfigError(f"input column {name!r} (per-row sampling.{name}): " + "; ".join(bad[:3]))
+    return values
+
+
+def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
+    """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
+    and bad per-row sampling values raise ConfigError naming the file or the field."""
+    files = input_files(cfg.path)
+    text = cfg.messages_column or cfg.prompt_column
+    field = "input.messages_column" if cfg.messages_column else "input.prompt_column"
+    tables = []
+    for file in files:
+        table = _read(file, [cfg.id_column, text, *sampling_fields])
+        if text not in table.column_names:
+            raise _missing(field, text, file, pq.read_schema(file).names)
+        tables.append(table)
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as e:
+        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
+    ids = _ids(table, cfg, files, tables)
+    prompts = messages = None
+    if cfg.messages_column:
+        messages = _messages(table.column(text), text)
+    else:
+        prompts = _strings(table.column(text), field, text)
+    overrides = {name: _override(name, table.column(name))
+                 for name in sampling_fields if name in table.column_names and name != text}
+    return InputRows(ids=ids, prompts=prompts, messages=messages, overrides=overrides,
+                     num_rows=table.num_rows, files=tuple(files))

@@ -1,0 +1,214 @@
+"""Rows out: checkpoint parts while the job runs, then one final Parquet in input order.
+
+Parts live in "<output>.parts/part-00000.parquet", ...; each holds finished rows with their input
+row index ("row") and, in its key-value metadata, the job's fingerprint as JSON, so a resumed job
+only trusts parts written by the same job. Every file is written to a temporary name, synced, then
+renamed (os.replace): a reader never sees a half-written part, final file or metrics file.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import time
+from typing import Any
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchllm.config import ConfigError
+
+FINGERPRINT_KEY = b"batchllm.fingerprint"
+
+# Part schema, minus "id" (typed by the values; cast to the input id type by finalize).
+_PART_FIELDS = [
+    pa.field("row", pa.int64(), nullable=False),
+    pa.field("completion", pa.string()),
+    pa.field("finish_reason", pa.string()),
+    pa.field("prompt_tokens", pa.int32()),
+    pa.field("completion_tokens", pa.int32()),
+    pa.field("cached_tokens", pa.int32()),
+    pa.field("error", pa.string()),
+    pa.field("prompt", pa.string()),
+    pa.field("token_ids", pa.list_(pa.int32())),
+]
+OUTPUT_COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
+                  "cached_tokens", "error")
+
+
+def _canonical(d: dict) -> str:
+    return json.dumps(d, sort_keys=True, default=str)
+
+
+def _write_atomic(path: str, write) -> None:
+    """write(file object) into path + ".tmp", fsync, then rename over path."""
+    tmp = f"{path}.tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    if hasattr(os, "O_DIRECTORY"):  # make the rename itself survive a power loss
+        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+
+def output_schema(id_type: pa.DataType, include_prompt: bool = False,
+                  include_token_ids: bool = False) -> pa.Schema:
+    """The final file's schema (DESIGN.md "Output Parquet"), without metadata."""
+    fields = [pa.field("id", id_type)] + [f for f in _PART_FIELDS if f.name in OUTPUT_COLUMNS]
+    if include_prompt:
+        fields.append(_PART_FIELDS[7])
+    if include_token_ids:
+        fields.append(_PART_FIELDS[8])
+    return pa.schema(fields)
+
+
+class CheckpointWriter:
+    """Buffers finished rows and flushes them as parts; finalize() merges them in input order.
+
+    Not thread-safe. flush() takes the buffer before writing, so a signal handler may call it
+    while add() runs without writing a row twice.
+    """
+
+    def __init__(self, output_path: str | os.PathLike, fingerprint: dict,
+                 flush_rows: int = 256, flush_seconds: float = 5.0) -> None:
+        self.output_path = os.fspath(output_path)
+        self.parts_dir = self.output_path + ".parts"
+        self.fingerprint = fingerprint
+        self._fingerprint_json = _canonical(fingerprint)
+        self.flush_rows = flush_rows
+        self.flush_seconds = flush_seconds
+        self._rows: list[dict] = []
+        self._last_flush = time.monotonic()
+        self._next_part: int | None = None
+
+    # -- while running ---------------------------------------------------------------------
+    def add(self, row: dict[str, Any]) -> None:
+        """Buffer one finished row: {"row": input index, "id": ..., output columns ...}."""
+        self._rows.append(row)
+        self.maybe_flush()
+
+    def maybe_flush(self) -> None:
+        """Flush when flush_rows rows are waiting or flush_seconds passed since the last flush."""
+        waited = time.monotonic() - self._last_flush
+        if len(self._rows) >= self.flush_rows or (self._rows and waited >= self.flush_seconds):
+            self.flush()
+
+    def flush(self) -> None:
+        """Write the buffered rows as the next part (nothing when none are buffered)."""
+        rows, self._rows = self._rows, []
+        self._last_flush = time.monotonic()
+        if not rows:
+            return
+        os.makedirs(self.parts_dir, exist_ok=True)
+        if self._next_part is None:
+            self._next_part = 1 + max((int(n[5:10]) for n in self._part_names()), default=-1)
+        index, self._next_part = self._next_part, self._next_part + 1
+        columns = {f.name: pa.array([r.get(f.name) for r in rows], f.type) for f in _PART_FIELDS}
+        columns["id"] = pa.array([r["id"] for r in rows])
+        table = pa.table(columns).replace_schema_metadata(
+            {FINGERPRINT_KEY: self._fingerprint_json.encode()})
+        path = os.path.join(self.parts_dir, f"part-{index:05d}.parquet")
+        _write_atomic(path, lambda f: pq.write_table(table, f))
+
+    # -- resume ------------------------------------------------------------------------------
+    def _part_names(self) -> list[str]:
+        if not os.path.isdir(self.parts_dir):
+            return []
+        return sorted(n for n in os.listdir(self.parts_dir)
+                      if n.startswith("part-") and n.endswith(".parquet"))
+
+    def has_checkpoint(self) -> bool:
+        """Whether parts of an earlier run exist."""
+        return bool(self._part_names())
+
+    def clear(self) -> None:
+        """Remove the parts folder (output.mode overwrite starts from nothing)."""
+        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        self._next_part = None
+
+    def _read_parts(self, columns: list[str] | None = None) -> list[pa.Table]:
+        tables = []
+        for name in self._part_names():
+            path = os.path.join(self.parts_dir, name)
+            try:
+                pf = pq.ParquetFile(path)
+                stored = (pf.schema_arrow.metadata or {}).get(FINGERPRINT_KEY, b"{}").decode()
+                table = pf.read(columns=columns)
+            except (OSError, pa.ArrowException):
+                continue  # a damaged part: its rows are simply run again
+            if stored != self._fingerprint_json:
+                raise ConfigError(_mismatch(self.parts_dir, json.loads(stored),
+                                            json.loads(self._fingerprint_json)))
+            tables.append(table)
+        return tables
+
+    def done_rows(self) -> set[int]:
+        """Row indices already in parts (plus any buffered). ConfigError when a part was
+        written by a job with a different fingerprint."""
+        done = {r["row"] for r in self._rows}
+        for table in self._read_parts(["row"]):
+            done.update(table.column("row").to_pylist())
+        return done
+
+    # -- the end -------------------------------------------------------------------------------
+    def finalize(self, id_type: pa.DataType, metadata: dict[str, str], include_prompt: bool,
+                 include_token_ids: bool, num_rows: int | None = None) -> str:
+        """Write the final file sorted by row, atomically, then remove the parts folder.
+
+        With num_rows, check that rows 0..num_rows-1 are all there (RuntimeError if not).
+        Returns the output path.
+        """
+        self.flush()
+        schema = output_schema(id_type, include_prompt, include_token_ids)
+        parts = [t.select([f.name for f in _PART_FIELDS] + ["id"]).cast(
+            pa.schema(_PART_FIELDS + [pa.field("id", id_type)])) for t in self._read_parts()]
+        table = (pa.concat_tables(parts) if parts
+                 else schema.empty_table().append_column("row", pa.array([], pa.int64())))
+        table = table.sort_by("row")
+        rows = table.column("row").to_numpy()
+        keep = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]][: len(rows)])  # twice -> once
+        table, rows = table.take(keep), rows[keep]
+        if num_rows is not None and not np.array_equal(rows, np.arange(num_rows)):
+            missing = np.setdiff1d(np.arange(num_rows), rows)
+            raise RuntimeError(f"finalize: {len(missing)} of {num_rows} rows are missing "
+                               f"(e.g. {missing[:5].tolist()}), or rows beyond {num_rows - 1}")
+        final = table.select(schema.names).cast(schema).replace_schema_metadata(metadata)
+        folder = os.path.dirname(self.output_path)
+        if folder:
+            os.makedirs(folder, exist_ok=True)
+        _write_atomic(self.output_path, lambda f: pq.write_table(final, f))
+        self.clear()
+        return self.output_path
+
+
+def _mismatch(where: str, theirs: dict, ours: dict) -> str:
+    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    return (f"output.mode: the checkpoint in {where} was written by a different job (differs in: "
+            f"{', '.join(keys) or '?'}); use output.mode: overwrite to start again")
+
+
+def _finite(x: Any) -> Any:
+    if isinstance(x, float) and not math.isfinite(x):
+        return None
+    if isinstance(x, dict):
+        return {k: _finite(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_finite(v) for v in x]
+    return x
+
+
+def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> str:
+    """Write metrics as JSON to "<output>.metrics.json" atomically; returns that path.
+    Non-finite floats become null (JSON has no NaN)."""
+    path = os.fspath(output_path) + ".metrics.json"
+    text = json.dumps(_finite(metrics), indent=2, default=str) + "\n"
+    _write_atomic(path, lambda f: f.write(text.encode()))
+    return path

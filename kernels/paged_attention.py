@@ -1,0 +1,220 @@
+"""Triton kernel: causal attention of one step (prefill chunks and decodes) over paged KV.
+
+One program per (query tile, KV head). A tile packs TILE_Q query tokens of one sequence times
+the GROUP query heads that share the KV head, so a decode under grouped-query attention is
+still a matrix product, and loops over the sequence's keys block by block through its page
+table with an online softmax. Tiles are numbered without a host sync (as in vLLM's unified
+attention): sequence b owns tiles cu_q[b] // TILE_Q + b onwards, at most T // TILE_Q + B in all;
+a program finds its sequence by binary search over cu_q. Twin: `paged_attention_ref`.
+
+The jitted helpers `find_seq`, `attend_pages` and `store_tile` are shared with
+`prefix_attention`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.store_kv import check_cache, check_device, check_index, check_rows
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def find_seq(cu_q_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
+    """The last sequence b whose first tile, cu_q[b] // TILE_Q + b, is <= tile (-1 if none)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // TILE_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def attend_pages(
+    q,  # [BLOCK_M, BLOCK_D] query rows of one KV head
+    k_cache_ptr, v_cache_ptr, table_ptr,  # table_ptr: this sequence's row of page ids
+    kv_lo, kv_hi,  # key positions [kv_lo, kv_hi)
+    kvh, q_pos, qk_scale,  # q_pos [BLOCK_M]: query positions (CAUSAL); qk_scale in log2 units
+    stride_slot, stride_kvh,
+    CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
+    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n  # [BLOCK_N] key positions
+        key_ok = pos < kv_hi
+        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        kv_off = slot[:, None] * stride_slot + kvh * stride_kvh + offs_d[None, :]
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_tile(
+    o_ptr, lse_ptr, acc, m_i, l_i,
+    rows, heads, row_ok,  # [BLOCK_M] token row, query head, valid
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """o = acc / l (0 where l = 0), lse = ln(l) + m (-inf where l = 0)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    o = acc / l_safe[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    o_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=row_ok)
+
+
+@triton.jit
+def _paged_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr,
+    page_table_ptr, cu_q_ptr, context_lens_ptr, kv_start_ptr,
+    num_seqs, qk_scale,
+    stride_qt, stride_qh, stride_ot, stride_oh, stride_lt, stride_lh,
+    stride_table, stride_slot, stride_kvh,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = find_seq(cu_q_ptr, tile, num_seqs, TILE_Q)
+    if b < 0:
+        return
+    q_begin = tl.load(cu_q_ptr + b)
+    q_len = tl.load(cu_q_ptr + b + 1) - q_begin
+    first = (tile - (q_begin // TILE_Q + b)) * TILE_Q  # first token of the tile in the sequence
+    if first >= q_len:
+        return
+    ctx = tl.load(context_lens_ptr + b)
+    kv_lo = tl.load(kv_start_ptr + b)
+    kv_hi = tl.minimum(ctx, ctx - q_len + first + TILE_Q)  # past the tile's last query position
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    row_ok = (tok < TILE_Q) & (first + tok < q_len)
+    rows = q_begin + first + tok
+    q_pos = ctx - q_len + first + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    q_off = rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    acc, m_i, l_i = attend_pages(
+        q, k_cache_ptr, v_cache_ptr, page_table_ptr + b * stride_table, kv_lo, kv_hi,
+        kvh, q_pos, qk_scale, stride_slot, stride_kvh,
+        True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+    store_tile(o_ptr, lse_ptr, acc, m_i, l_i, rows, heads, row_ok,
+               stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
+
+
+def check_attention(
+    q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor
+) -> tuple[int, int, int, int, int]:
+    """q [T, Hq, D] against the cache -> (T, Hq, Hkv, D, page_size)."""
+    page_size, hkv, d = check_cache(k_cache, v_cache)
+    if q.dim() != 3:
+        raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
+    t, hq = q.shape[0], q.shape[1]
+    check_rows("q", q, (t, hq, d))
+    if q.dtype != k_cache.dtype:
+        raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
+    if hq % hkv:
+        raise ValueError(f"Hq={hq} query heads must be a multiple of Hkv={hkv} KV heads")
+    return t, hq, hkv, d, page_size
+
+
+def dot_precision(dtype: torch.dtype) -> str | None:
+    """Exact float32 products for float32 inputs (no TF32); the default for 16-bit ones."""
+    return "ieee" if dtype == torch.float32 else None
+
+
+def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
+    """-> (BLOCK_M, TILE_Q, number of tiles): a block of at least 16 rows holding whole groups."""
+    block_m = max(block_m, 16, triton.next_power_of_2(group))
+    tile_q = block_m // group
+    return block_m, tile_q, t // tile_q + num_seqs
+
+
+def paged_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    cu_q: torch.Tensor,  # [B+1] int32, query rows of sequence b: cu_q[b]:cu_q[b+1]
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache after this step
+    kv_start: torch.Tensor,  # [B] int32, first key position of this part
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
+    """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
+
+    The query at position p of sequence b (its queries hold the last q_len positions before
+    context_lens[b]) sees keys kv_start[b] <= j <= p; query head h reads KV head h // (Hq/Hkv).
+    An empty key range gives o = 0 and lse = -inf. cu_q must start at 0 and end at T (not
+    checked: that would need a device sync); rows outside it are left unwritten.
+    """
+    t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
+    if page_table.dim() != 2:
+        raise ValueError(f"page_table must be [B, max_pages], got shape {tuple(page_table.shape)}")
+    b = page_table.shape[0]
+    check_index("page_table", page_table, tuple(page_table.shape), torch.int32)
+    check_index("cu_q", cu_q, (b + 1,), torch.int32)
+    check_index("context_lens", context_lens, (b,), torch.int32)
+    check_index("kv_start", kv_start, (b,), torch.int32)
+    check_device(_paged_attention_kernel, q=q, k_cache=k_cache, v_cache=v_cache,
+                 page_table=page_table, cu_q=cu_q, context_lens=context_lens, kv_start=kv_start)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
+    group = hq // hkv
+    # Decode-like steps (about one query per sequence) get small tiles, chunks bigger ones.
+    block_m, tile_q, tiles = tile_rows(t, b, group, 16 if t <= b else 64)
+    if t == 0 or b == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    _paged_attention_kernel[(tiles, hkv)](
+        q, k_cache, v_cache, o, lse, page_table, cu_q, context_lens, kv_start,
+        b, scale * LOG2E,
+        q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
+        page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
+        BLOCK_M=block_m, BLOCK_N=64, BLOCK_D=max(16, triton.next_power_of_2(d)),
+        DOT_PRECISION=dot_precision(q.dtype),
+        num_warps=4,
+    )
+    return o, lse
+

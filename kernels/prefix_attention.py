@@ -1,0 +1,191 @@
+"""Triton kernel: each group's queries against its shared prefix pages (cascade attention).
+
+One program per (query tile, KV head, key split). A tile packs TILE_Q query tokens of one group
+times the GROUP query heads of a KV head (matrix-matrix products with tl.dot), so the prefix
+K and V are read once per tile rather than once per request. When the tiles alone cannot fill
+the GPU (a decode step: one query per request), the prefix keys are split into NUM_SPLITS
+ranges whose partial (o, lse) are merged by a second small kernel. No causal mask: every query
+comes after the prefix. Twin: `kernels.reference.prefix_attention_ref`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.paged_attention import (
+    LOG2E,
+    attend_pages,
+    check_attention,
+    dot_precision,
+    find_seq,
+    store_tile,
+    tile_rows,
+)
+from kernels.store_kv import check_device, check_index
+
+BLOCK_N = 64
+
+
+@triton.jit
+def _prefix_attention_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr,  # o, lse: [S, T, Hq, D], [S, T, Hq]
+    prefix_pages_ptr, prefix_lens_ptr, cu_q_ptr,
+    num_groups, keys_per_split, qk_scale,
+    stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
+    stride_table, stride_slot, stride_kvh,
+    GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    kvh = tl.program_id(1)
+    split = tl.program_id(2)
+    g = find_seq(cu_q_ptr, tile, num_groups, TILE_Q)
+    if g < 0:
+        return
+    q_begin = tl.load(cu_q_ptr + g)
+    q_len = tl.load(cu_q_ptr + g + 1) - q_begin
+    first = (tile - (q_begin // TILE_Q + g)) * TILE_Q
+    if first >= q_len:
+        return
+    kv_lo = split * keys_per_split
+    kv_hi = tl.minimum(tl.load(prefix_lens_ptr + g), kv_lo + keys_per_split)
+
+    offs_m = tl.arange(0, BLOCK_M)
+    tok = offs_m // GROUP
+    heads = kvh * GROUP + offs_m % GROUP
+    row_ok = (tok < TILE_Q) & (first + tok < q_len)
+    rows = q_begin + first + tok
+    offs_d = tl.arange(0, BLOCK_D)
+    q_off = rows[:, None] * stride_qt + heads[:, None] * stride_qh + offs_d[None, :]
+    q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
+    acc, m_i, l_i = attend_pages(
+        q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
+        kvh, rows, qk_scale, stride_slot, stride_kvh,
+        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+    )
+    store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
+               rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
+
+
+@triton.jit
+def _combine_splits_kernel(
+    o_part_ptr, lse_part_ptr,  # [S, T, H, D] fp32, [S, T, H] fp32, contiguous
+    o_ptr, lse_ptr,  # [T, H, D], [T, H] fp32, contiguous
+    num_tokens, num_heads,
+    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    h_ok = offs_h < num_heads
+    mask = h_ok[:, None] & (offs_d[None, :] < D)
+    row = t * num_heads + offs_h  # [BLOCK_H] index into [T, H]
+    split_rows = num_tokens * num_heads
+    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    for s in range(NUM_SPLITS):
+        m = tl.maximum(m, tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0))
+    m_safe = tl.where(m == float("-inf"), 0.0, m)
+    total = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for s in range(NUM_SPLITS):
+        w = tl.exp(tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0) - m_safe)
+        o_off = (s * split_rows + row)[:, None] * D + offs_d[None, :]
+        acc += w[:, None] * tl.load(o_part_ptr + o_off, mask=mask, other=0.0)
+        total += w
+    empty = total == 0.0
+    total_safe = tl.where(empty, 1.0, total)
+    lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
+    o = acc / total_safe[:, None]
+    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
+    tl.store(lse_ptr + row, lse, mask=h_ok)
+
+
+@functools.cache
+def _target_programs(device: torch.device) -> int:
+    """Programs worth launching: two per SM on a GPU, a few in the interpreter."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def prefix_attention(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,  # [G, max_pages] int32
+    prefix_lens: torch.Tensor,  # [G] int32
+    cu_q: torch.Tensor,  # [G+1] int32, query rows of group g: cu_q[g]:cu_q[g+1]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
+    """Each group's queries against all prefix_lens[g] keys of its pages, no mask.
+
+    A group with an empty prefix gives o = 0 and lse = -inf. cu_q must start at 0 and end at T
+    (not checked: that would need a device sync); rows outside it are left unspecified.
+    """
+    return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale)
+
+
+def prefix_attention_split(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """`prefix_attention` with the number of key splits chosen by the caller (tests, benchmarks);
+    None: enough splits to give the GPU about two programs per SM."""
+    t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
+    if prefix_pages.dim() != 2:
+        raise ValueError(f"prefix_pages must be [G, max_pages], got {tuple(prefix_pages.shape)}")
+    groups, max_pages = prefix_pages.shape
+    check_index("prefix_pages", prefix_pages, (groups, max_pages), torch.int32)
+    check_index("prefix_lens", prefix_lens, (groups,), torch.int32)
+    check_index("cu_q", cu_q, (groups + 1,), torch.int32)
+    check_device(_prefix_attention_kernel, q=q, k_cache=k_cache, v_cache=v_cache,
+                 prefix_pages=prefix_pages, prefix_lens=prefix_lens, cu_q=cu_q)
+    o = torch.empty_like(q, memory_format=torch.contiguous_format)
+    lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
+    if t == 0 or groups == 0 or max_pages == 0:
+        return o.zero_(), lse.fill_(float("-inf"))
+    group = hq // hkv
+    block_m, tile_q, tiles = tile_rows(t, groups, group, 64)
+    key_blocks = triton.cdiv(max_pages * page_size, BLOCK_N)
+    if num_splits is None:
+        num_splits = _target_programs(q.device) // (tiles * hkv)
+    num_splits = max(1, min(num_splits, key_blocks))
+    keys_per_split = triton.cdiv(key_blocks, num_splits) * BLOCK_N
+    num_splits = triton.cdiv(key_blocks * BLOCK_N, keys_per_split)
+    if num_splits == 1:
+        o_part, lse_part = o, lse
+    else:
+        o_part = torch.empty(num_splits, t, hq, d, dtype=torch.float32, device=q.device)
+        lse_part = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
+    stride_os = o_part.stride(0) if num_splits > 1 else 0
+    stride_ls = lse_part.stride(0) if num_splits > 1 else 0
+    block_d = max(16, triton.next_power_of_2(d))
+    _prefix_attention_kernel[(tiles, hkv, num_splits)](
+        q, k_cache, v_cache, o_part, lse_part, prefix_pages, prefix_lens, cu_q,
+        groups, keys_per_split, scale * LOG2E,
+        q.stride(0), q.stride(1), stride_os, o_part.stride(-3), o_part.stride(-2),
+        stride_ls, lse_part.stride(-2), lse_part.stride(-1),
+        prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
+        GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
+        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
+        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+    )
+    if num_splits > 1:
+        block_h = min(16, triton.next_power_of_2(hq))
+        _combine_splits_kernel[(t, triton.cdiv(hq, block_h))](
+            o_part, lse_part, o, lse, t, hq,
+            NUM_SPLITS=num_splits, D=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        )
+    return o, lse
+

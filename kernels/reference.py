@@ -1,0 +1,195 @@
+"""Pure-torch twins of the Triton kernels: the CPU path of the engine and the kernels' references.
+
+Cache layout (one pair per layer): k_cache, v_cache of shape [num_pages, page_size, Hkv, D].
+A token at position p of a sequence lives in slot page_table[p // page_size] * page_size
++ p % page_size. Query head h reads KV head h // (Hq // Hkv), as in Hugging Face's repeat_kv.
+Attention returns the output and the natural-log sum-exp of the scaled scores per query and
+head, so that parts over disjoint key sets can be merged with `merge_states_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_QUERY_BLOCK = 256  # query rows per product for long chunks, bounds the score matrix
+
+
+def store_kv_ref(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Write each token's K and V into its slot of the paged cache."""
+    hkv, d = k_cache.shape[2], k_cache.shape[3]
+    k_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, k.to(k_cache.dtype))
+    v_cache.view(-1, hkv, d).index_copy_(0, slot_mapping, v.to(v_cache.dtype))
+
+
+def _attend(
+    q: torch.Tensor,  # [B, Tq, Hq, D]
+    k: torch.Tensor,  # [B, Tk, Hkv, D]
+    v: torch.Tensor,  # [B, Tk, Hkv, D]
+    mask: torch.Tensor | None,  # [B, Tq, Tk] bool, True where the key is visible; None: all
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Masked grouped-query attention on padded batches -> (o [B,Tq,Hq,D], lse [B,Tq,Hq] fp32)."""
+    b, tq, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    qg = q.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+    kt = k.permute(0, 2, 3, 1)  # [B, Hkv, D, Tk]
+    vt = v.permute(0, 2, 1, 3)  # [B, Hkv, Tk, D]
+    s = torch.matmul(qg, kt).float().mul_(scale)  # [B, Hkv, G*Tq, Tk]
+    if mask is not None:
+        s = s.view(b, hkv, g, tq, tk).masked_fill_(~mask[:, None, None], float("-inf"))
+        s = s.view(b, hkv, g * tq, tk)
+    lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Tq]
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    p = torch.exp(s.sub_(safe.unsqueeze(-1)))
+    o = torch.matmul(p.to(v.dtype), vt)  # [B, Hkv, G*Tq, D]
+    o = o.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
+    lse = lse.view(b, hkv, g, tq).permute(0, 3, 1, 2).reshape(b, tq, hq)
+    return o, lse
+
+
+def _gather(
+    cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    slots: torch.Tensor,  # [...] int64
+) -> torch.Tensor:  # [..., Hkv, D]
+    hkv, d = cache.shape[2], cache.shape[3]
+    return cache.view(-1, hkv, d)[slots]
+
+
+def _slots(
+    page_table: torch.Tensor,  # [B, max_pages]
+    positions: torch.Tensor,  # [B, Tk] int64, valid positions
+    page_size: int,
+) -> torch.Tensor:  # [B, Tk] int64
+    pages = torch.gather(page_table.long(), 1, positions // page_size)
+    return pages * page_size + positions % page_size
+
+
+def paged_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    cu_q: torch.Tensor,  # [B+1] int32, query rows of sequence b: cu_q[b]:cu_q[b+1]
+    context_lens: torch.Tensor,  # [B] int32, tokens in the cache after this step
+    kv_start: torch.Tensor,  # [B] int32, first key position of this part
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
+    """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
+
+    The query at position p of sequence b sees keys at positions kv_start[b] <= j <= p, where the
+    sequence's queries hold its last q_len positions before context_lens[b]. Decodes (one query)
+    run as one padded batch; longer chunks one by one, in blocks of query rows.
+    """
+    t, hq, d = q.shape
+    page_size = k_cache.shape[1]
+    o = q.new_zeros(t, hq, d)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    if t == 0:
+        return o, lse
+    cu = cu_q.tolist()
+    ctx = context_lens.tolist()
+    start = kv_start.tolist()
+    decodes = [b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1]
+    if decodes:
+        _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, decodes, scale, o, lse)
+    for b in range(len(ctx)):
+        n = cu[b + 1] - cu[b]
+        if n <= 1:
+            continue
+        keys = torch.arange(start[b], ctx[b], device=q.device)  # [Tk]
+        slots = _slots(page_table[b : b + 1], keys[None], page_size)  # [1, Tk]
+        k = _gather(k_cache, slots)  # [1, Tk, Hkv, D]
+        v = _gather(v_cache, slots)
+        first = ctx[b] - n
+        for lo in range(0, n, _QUERY_BLOCK):
+            hi = min(n, lo + _QUERY_BLOCK)
+            qpos = torch.arange(first + lo, first + hi, device=q.device)  # [Tq]
+            mask = keys[None, :] <= qpos[:, None]  # [Tq, Tk]
+            ob, lb = _attend(q[None, cu[b] + lo : cu[b] + hi], k, v, mask[None], scale)
+            o[cu[b] + lo : cu[b] + hi] = ob[0]
+            lse[cu[b] + lo : cu[b] + hi] = lb[0]
+    return o, lse
+
+
+def _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, seqs, scale, o, lse) -> None:
+    """All one-query sequences as one padded batch; writes into o and lse in place."""
+    page_size = k_cache.shape[1]
+    dev = q.device
+    rows = torch.tensor([cu[b] for b in seqs], device=dev)  # [B]
+    first = torch.tensor([start[b] for b in seqs], device=dev)  # [B]
+    length = torch.tensor([ctx[b] - start[b] for b in seqs], device=dev)  # [B]
+    tk = max(1, int(length.max()))
+    offs = torch.arange(tk, device=dev)
+    visible = offs[None, :] < length[:, None]  # [B, Tk]
+    positions = torch.where(visible, first[:, None] + offs[None, :], 0)
+    table = page_table[torch.tensor(seqs, device=dev)]
+    slots = _slots(table, positions, page_size)  # [B, Tk]
+    k = _gather(k_cache, slots)  # [B, Tk, Hkv, D]
+    v = _gather(v_cache, slots)
+    ob, lb = _attend(q[rows][:, None], k, v, visible[:, None, :], scale)
+    o[rows] = ob[:, 0]
+    lse[rows] = lb[:, 0]
+
+
+def prefix_attention_ref(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,  # [G, max_pages] int32
+    prefix_lens: torch.Tensor,  # [G] int32
+    cu_q: torch.Tensor,  # [G+1] int32, query rows of group g: cu_q[g]:cu_q[g+1]
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
+    """Each group's queries against its shared prefix, no mask: the prefix KV is read once per
+    group and the product is matrix-matrix over all the group's queries."""
+    t, hq, d = q.shape
+    page_size = k_cache.shape[1]
+    o = q.new_zeros(t, hq, d)
+    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
+    cu = cu_q.tolist()
+    for g, plen in enumerate(prefix_lens.tolist()):
+        if plen == 0 or cu[g + 1] == cu[g]:
+            continue
+        keys = torch.arange(plen, device=q.device)[None]  # [1, P]
+        slots = _slots(prefix_pages[g : g + 1], keys, page_size)
+        k = _gather(k_cache, slots)  # [1, P, Hkv, D]
+        v = _gather(v_cache, slots)
+        n = cu[g + 1] - cu[g]
+        # All queries of the group go in as one "sequence": one product per head.
+        ob, lb = _attend(q[None, cu[g] : cu[g + 1]], k, v, None, scale)
+        o[cu[g] : cu[g] + n] = ob[0]
+        lse[cu[g] : cu[g] + n] = lb[0]
+    return o, lse
+
+
+def merge_states_ref(
+    o_a: torch.Tensor,  # [T, H, D]
+    lse_a: torch.Tensor,  # [T, H] fp32
+    o_b: torch.Tensor,  # [T, H, D]
+    lse_b: torch.Tensor,  # [T, H] fp32
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, H, D], lse [T, H] fp32
+    """Merge attention over two disjoint key sets by the log-sum-exp rule.
+
+    m = max(lse_a, lse_b); lse = m + log(e^(lse_a-m) + e^(lse_b-m));
+    o = e^(lse_a-lse) o_a + e^(lse_b-lse) o_b. A part with lse = -inf contributes nothing;
+    two empty parts give o = 0 and lse = -inf.
+    """
+    lse_a = lse_a.float()
+    lse_b = lse_b.float()
+    m = torch.maximum(lse_a, lse_b)
+    empty = torch.isinf(m) & (m < 0)
+    m = torch.where(empty, torch.zeros_like(m), m)
+    wa = torch.exp(lse_a - m)
+    wb = torch.exp(lse_b - m)
+    total = wa + wb
+    lse = torch.where(empty, torch.full_like(m, float("-inf")), m + torch.log(total))
+    denom = torch.where(empty, torch.ones_like(total), total)
+    o = (o_a.float() * (wa / denom)[..., None] + o_b.float() * (wb / denom)[..., None])
+    return o.to(o_a.dtype), lse

@@ -1,0 +1,195 @@
+"""Test helpers: tiny random Hugging Face models, the HF greedy reference, the near-tie comparison.
+
+DESIGN.md's reference is transformers `generate`, greedy, float32, CPU, one prompt at a time. Our
+greedy tokens must equal it; where they first differ, the reference's top-two logits must be within
+`tol` (a near tie that summation order may flip) and the rest of that row is not compared.
+"""
+
+from __future__ import annotations
+
+import atexit
+import functools
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    LlamaConfig,
+    LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
+    PreTrainedModel,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
+
+SMOLLM2 = "smollm2-135m-instruct"
+TINY_KINDS = ("llama", "qwen2", "mistral")
+
+# Shared by all tiny models: SmolLM2's tokenizer (vocab 49152, bos 1, eos/pad 2).
+_COMMON = {
+    "vocab_size": 49152,
+    "max_position_embeddings": 2048,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+    "pad_token_id": 2,
+    "rms_norm_eps": 1e-5,
+    # Far above HF's 0.02: logits spread over several units, so greedy outputs vary with the
+    # context and near ties (top-two gap < 1e-3) are rare.
+    "initializer_range": 0.4,
+}
+
+
+def _tiny_model(kind: str) -> PreTrainedModel:
+    if kind == "llama":  # GQA 4/2, tied embeddings like SmolLM2
+        return LlamaForCausalLM(LlamaConfig(
+            **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
+    if kind == "qwen2":  # q/k/v biases (Qwen2 always has them), separate lm_head
+        return Qwen2ForCausalLM(Qwen2Config(
+            **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
+            use_sliding_window=False,
+            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
+    if kind == "mistral":  # MQA, head_dim 32 != hidden / heads = 16, separate lm_head, 3 layers
+        return MistralForCausalLM(MistralConfig(
+            **_COMMON, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
+            num_key_value_heads=1, head_dim=32, intermediate_size=96, tie_word_embeddings=False,
+            sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(TINY_KINDS)}")
+
+
+_root: Path | None = None
+
+
+def _tiny_root() -> Path:
+    global _root
+    if _root is None:
+        _root = Path(tempfile.mkdtemp(prefix="batchllm-tiny-models-"))
+        atexit.register(shutil.rmtree, _root, True)
+    return _root
+
+
+@functools.cache
+def smollm2_folder() -> Path:
+    """The converted SmolLM2-135M-Instruct folder (converted once, ~30 s, then cached on disk)."""
+    return resolve_model(SMOLLM2)
+
+
+@functools.cache
+def tiny_model_folder(kind: str) -> Path:
+    """A tiny random float32 model saved as a real HF folder (config, safetensors, generation
+    config, SmolLM2 tokenizer). Deterministic: seed 0. Built once per process."""
+    torch.manual_seed(0)
+    model = _tiny_model(kind).eval()
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=gen)
+            if "norm" in name:  # norm weights away from 1 so a skipped/misplaced norm shows
+                param.copy_(1.0 + 0.3 * noise)
+            elif name.endswith(".bias"):  # HF initialises biases to zero
+                param.copy_(0.5 * noise)
+        # Final norm x4: logits x4 (argmax unchanged), top-two gaps median ~2, near ties ~0.05%.
+        model.model.norm.weight.mul_(4.0)
+    folder = _tiny_root() / kind
+    model.save_pretrained(folder)
+    load_tokenizer(smollm2_folder()).save_pretrained(folder)
+    return folder
+
+
+@functools.cache
+def hf_model(folder: Path) -> PreTrainedModel:
+    """The transformers model of `folder`, float32 on the CPU, cached per folder."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return model.eval()
+
+
+@functools.cache
+def _eos_ids(folder: Path) -> tuple[int, ...]:
+    return tuple(sorted(eos_token_ids(folder, load_config(folder), load_tokenizer(folder))))
+
+
+@torch.no_grad()
+def hf_greedy_reference(
+    folder: Path,
+    prompt_token_ids: list[list[int]],
+    max_new_tokens: int | list[int],
+    ignore_eos: bool = False,
+) -> list[tuple[list[int], list[float]]]:
+    """Greedy tokens of transformers `generate` for each prompt, one prompt at a time.
+
+    Returns per prompt (tokens, top2_gap): the generated token ids (an ending EOS token included,
+    as HF returns it) and, at each generated position, top-1 minus top-2 of the raw logits.
+    Stops on the EOS ids of `batchllm.model.weights.eos_token_ids`; with `ignore_eos` it runs to
+    `max_new_tokens`, EOS tokens may be generated and do not stop it (vLLM's ignore_eos).
+    `max_new_tokens` may be one value or one per prompt.
+    """
+    folder = Path(folder)
+    model = hf_model(folder)
+    limits = (
+        max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_token_ids)
+    )
+    eos = [] if ignore_eos else list(_eos_ids(folder))  # [] = never stop, never suppress
+    results = []
+    for prompt, limit in zip(prompt_token_ids, limits, strict=True):
+        ids = torch.tensor([prompt], dtype=torch.long)  # (1, T)
+        out = model.generate(
+            ids,
+            attention_mask=torch.ones_like(ids),
+            do_sample=False,
+            max_new_tokens=limit,
+            eos_token_id=eos,
+            pad_token_id=model.config.pad_token_id if model.config.pad_token_id is not None else 0,
+            return_dict_in_generate=True,
+            output_logits=True,
+        )
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        gaps = []
+        for logits in out.logits:  # each (1, vocab), raw float32
+            top = logits[0].float().topk(2).values
+            gaps.append(float(top[0] - top[1]))
+        results.append((tokens, gaps[: len(tokens)]))
+    return results
+
+
+def first_divergence(ours: list[int], ref_tokens: list[int]) -> int | None:
+    """First position where the two token lists differ (within their common length), else None."""
+    for pos, (a, b) in enumerate(zip(ours, ref_tokens)):
+        if a != b:
+            return pos
+    return None
+
+
+def assert_tokens_match(
+    ours: list[int],
+    ref_tokens: list[int],
+    ref_gaps: list[float],
+    tol: float = 1e-3,
+    row: int | str | None = None,
+) -> bool:
+    """DESIGN.md's rule. Equal tokens; at the first differing position the reference's top-two
+    logits must be within `tol` (then the rest is not compared); lengths must agree unless the rows
+    diverged at such a near tie. Returns True when the rows diverged at a near tie."""
+    ours = [int(t) for t in ours]
+    where = f"row {row}: " if row is not None else ""
+    pos = first_divergence(ours, ref_tokens)
+    if pos is not None:
+        gap = ref_gaps[pos]
+        assert gap <= tol, (
+            f"{where}tokens differ at position {pos}: ours {ours[pos]}, reference {ref_tokens[pos]}, "
+            f"reference top-two gap {gap:.6f} > {tol} (not a near tie); "
+            f"ours {ours[max(0, pos - 3): pos + 4]} vs reference {ref_tokens[max(0, pos - 3): pos + 4]}"
+        )
+        return True
+    assert len(ours) == len(ref_tokens), (
+        f"{where}same tokens up to position {min(len(ours), len(ref_tokens))}, but ours has "
+        f"{len(ours)} tokens and the reference {len(ref_tokens)} "
+        f"(ours ends {ours[-3:]}, reference ends {ref_tokens[-3:]})"
+    )
+    return False

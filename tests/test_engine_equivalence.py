@@ -1,0 +1,126 @@
+"""Greedy tokens of batchllm equal Hugging Face transformers `generate` (one prompt at a time,
+float32, CPU) under DESIGN.md's near-tie rule, whatever the engine settings."""
+
+from __future__ import annotations
+
+import functools
+
+import numpy as np
+import pytest
+
+from batchllm import LLM, SamplingParams
+from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
+
+MAX_TOKENS = 10
+
+
+def nested_prompts(seed: int = 0) -> list[list[int]]:
+    """Three levels of sharing (system > template > document > question), an exact duplicate,
+    a prompt that is a prefix of another, and one sharing nothing."""
+    rng = np.random.default_rng(seed)
+
+    def toks(n: int) -> list[int]:
+        return rng.integers(5, 4000, n).tolist()
+
+    system = toks(21)
+    prompts = []
+    for _ in range(2):
+        template = toks(9)
+        for _ in range(2):
+            doc = toks(int(rng.integers(10, 40)))
+            for _ in range(3):
+                prompts.append(system + template + doc + toks(int(rng.integers(1, 8))))
+    prompts.append(list(prompts[3]))  # an exact duplicate
+    prompts.append(prompts[5][:-1] if len(prompts[5]) > 1 else prompts[5])  # a prefix of another
+    prompts.append(toks(13))  # shares nothing
+    return prompts
+
+
+@functools.cache
+def reference(kind: str) -> list[tuple[list[int], list[float]]]:
+    return hf_greedy_reference(tiny_model_folder(kind), nested_prompts(), MAX_TOKENS)
+
+
+@functools.cache
+def engine(kind: str, **settings) -> LLM:
+    return LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu", **settings)
+
+
+def kv_bytes(llm_kind: str, pages: int, page_size: int) -> int:
+    probe = engine(llm_kind)
+    return pages * page_size * probe.engine.bytes_per_token
+
+
+def run_and_compare(kind: str, **settings) -> dict:
+    llm = engine(kind, **settings)
+    outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference(kind))):
+        assert out.finish_reason in ("stop", "length"), out.error
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+    return llm.last_metrics
+
+
+SETTINGS = {
+    "default": {},
+    "page1": {"page_size": 1},
+    "page7": {"page_size": 7},
+    "chunked": {"max_batched_tokens": 13},
+    "one_seq": {"max_num_seqs": 1},
+    "input_order": {"order": "input"},
+}
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("sharing", [True, False])
+@pytest.mark.parametrize("name", list(SETTINGS))
+def test_greedy_matches_transformers(kind: str, sharing: bool, name: str) -> None:
+    metrics = run_and_compare(kind, prefix_sharing=sharing, **SETTINGS[name])
+    tree, prompt = metrics["tree_tokens"], metrics["prompt_tokens"]
+    if sharing:
+        # Enough memory for the working set: each distinct prompt token runs exactly once.
+        assert metrics["prefill_tokens"] == tree < prompt
+    else:
+        assert metrics["prefill_tokens"] == prompt
+    assert metrics["preemptions"] == 0
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("sharing", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_matches_under_preemption(kind: str, sharing: bool, page_size: int) -> None:
+    # A pool far smaller than the working set: requests are preempted and recomputed.
+    longest = max(map(len, nested_prompts())) + MAX_TOKENS
+    pages = -(-longest // page_size) + 2
+    metrics = run_and_compare(
+        kind, prefix_sharing=sharing, page_size=page_size,
+        kv_cache_memory=kv_bytes(kind, pages, page_size), max_batched_tokens=32,
+    )
+    assert metrics["kv_pages_total"] == pages
+    assert metrics["preemptions"] > 0
+    assert metrics["kv_pages_peak"] <= pages
+
+
+def test_smollm2_real_prompts_match_transformers(smollm2_folder) -> None:
+    llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu")
+    questions = [
+        "What is the capital of France?",
+        "Write a haiku about contracts.",
+        "Explain what an indemnification clause does, in two sentences.",
+        "List three prime numbers.",
+        "What is the capital of France? Answer in one word.",
+    ]
+    system = "You are a careful legal assistant. Answer briefly and precisely."
+    convs = [[{"role": "system", "content": system}, {"role": "user", "content": q}]
+             for q in questions]
+    outs = llm.chat(convs, SamplingParams(max_tokens=24))
+    texts = llm.tokenizer.apply_chat_template(convs, tokenize=False, add_generation_prompt=True)
+    ids = [llm.tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+    ref = hf_greedy_reference(smollm2_folder, ids, 24)
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, ref)):
+        assert out.prompt_tokens == len(ids[i])
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+    m = llm.last_metrics
+    assert m["prefill_tokens"] == m["tree_tokens"] < m["prompt_tokens"]
+    # Every row reused the shared system prompt computed once.
+    assert all(out.cached_tokens > 0 for out in outs)
+    assert m["cached_tokens"] >= m["prompt_tokens"] - m["tree_tokens"]

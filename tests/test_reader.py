@@ -1,0 +1,150 @@
+"""Parquet in: real files in tmp_path, read back through read_input."""
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchllm.config import ConfigError, InputConfig
+from batchllm.rows.reader import input_files, read_input
+
+
+def _write(path, **columns):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    pq.write_table(pa.table(columns), path)
+    return path
+
+
+def test_single_file_with_ids_and_null_prompt(tmp_path):
+    f = _write(tmp_path / "in.parquet", id=["a", "b", "c"], prompt=["x", None, "z"])
+    rows = read_input(InputConfig(path=str(f)))
+    assert rows.num_rows == 3 and rows.ids.type == pa.string()
+    assert rows.ids.to_pylist() == ["a", "b", "c"]
+    assert rows.prompts == ["x", None, "z"] and rows.messages is None
+    assert rows.overrides == {} and rows.files == (str(f),)
+
+
+def test_row_index_when_no_id_column(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=["x", "y"])
+    for cfg in (InputConfig(path=str(f)), InputConfig(path=str(f), id_column=None)):
+        rows = read_input(cfg)
+        assert rows.ids.type == pa.int64() and rows.ids.to_pylist() == [0, 1]
+
+
+def test_id_column_keeps_its_type(tmp_path):
+    f = _write(tmp_path / "in.parquet", key=pa.array([7, 3], pa.int32()), prompt=["x", "y"])
+    rows = read_input(InputConfig(path=str(f), id_column="key"))
+    assert rows.ids.type == pa.int32() and rows.ids.to_pylist() == [7, 3]
+
+
+def test_folder_sorted_recursive_skipping_hidden(tmp_path):
+    d = tmp_path / "data"
+    _write(d / "part-1.parquet", prompt=["b"])
+    _write(d / "part-0.parquet", prompt=["a"])
+    _write(d / "sub" / "part-2.parquet", prompt=["c"])
+    _write(d / "_tmp" / "part-9.parquet", prompt=["hidden"])
+    _write(d / ".x.parquet", prompt=["hidden"])
+    (d / "_SUCCESS").write_text("")
+    rows = read_input(InputConfig(path=str(d)))
+    assert rows.prompts == ["a", "b", "c"] and rows.ids.to_pylist() == [0, 1, 2]
+
+
+def test_glob(tmp_path):
+    _write(tmp_path / "b.parquet", prompt=["b"])
+    _write(tmp_path / "a.parquet", prompt=["a"])
+    _write(tmp_path / "other.parquet", prompt=["no"])
+    assert read_input(InputConfig(path=str(tmp_path / "[ab].parquet"))).prompts == ["a", "b"]
+    with pytest.raises(ConfigError, match=r"input.path: no files match .*zz\*"):
+        input_files(str(tmp_path / "zz*"))
+
+
+def test_messages_column(tmp_path):
+    conv = [[{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}],
+            None, [{"role": "user", "content": "Yo"}]]
+    f = _write(tmp_path / "in.parquet", messages=conv)
+    rows = read_input(InputConfig(path=str(f), messages_column="messages"))
+    assert rows.prompts is None and rows.messages == conv
+
+
+def test_messages_column_wrong_type(tmp_path):
+    f = _write(tmp_path / "in.parquet", messages=["just text"])
+    with pytest.raises(ConfigError, match="input.messages_column: column 'messages' has type"):
+        read_input(InputConfig(path=str(f), messages_column="messages"))
+
+
+def test_per_row_overrides(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=["a", "b", "c"],
+               max_tokens=pa.array([5, None, 7], pa.int32()),
+               temperature=[0.5, 0, None], stop=[["###"], None, []], unrelated=[1, 2, 3])
+    rows = read_input(InputConfig(path=str(f)))
+    assert rows.overrides == {"max_tokens": [5, None, 7], "temperature": [0.5, 0.0, None],
+                              "stop": [("###",), None, ()]}
+    only = read_input(InputConfig(path=str(f)), sampling_fields=("max_tokens",))
+    assert list(only.overrides) == ["max_tokens"]
+
+
+def test_float_max_tokens_from_pandas(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=["a", "b"], max_tokens=[16.0, None])
+    assert read_input(InputConfig(path=str(f))).overrides["max_tokens"] == [16, None]
+
+
+def test_bad_per_row_value(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=["a", "b"], max_tokens=[4, -1])
+    with pytest.raises(ConfigError, match=r"input column 'max_tokens' \(per-row sampling.max_tok"
+                                          r"ens\): row 1: expected a positive integer, got -1"):
+        read_input(InputConfig(path=str(f)))
+
+
+def test_missing_prompt_column_names_the_field(tmp_path):
+    f = _write(tmp_path / "in.parquet", text=["a"], promt=["b"])
+    with pytest.raises(ConfigError) as e:
+        read_input(InputConfig(path=str(f)))
+    assert str(e.value) == (f"input.prompt_column: column 'prompt' not found in {f}; "
+                            "did you mean promt?")
+    with pytest.raises(ConfigError, match="columns are: text, promt"):
+        read_input(InputConfig(path=str(f), prompt_column="zzz"))
+
+
+def test_prompt_column_must_be_text(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=[1, 2])
+    with pytest.raises(ConfigError, match="input.prompt_column: column 'prompt' has type int64"):
+        read_input(InputConfig(path=str(f)))
+
+
+def test_named_id_column_missing(tmp_path):
+    f = _write(tmp_path / "in.parquet", prompt=["a"])
+    with pytest.raises(ConfigError, match="input.id_column: column 'doc_id' not found"):
+        read_input(InputConfig(path=str(f), id_column="doc_id"))
+
+
+def test_id_column_in_some_files_only(tmp_path):
+    _write(tmp_path / "d" / "a.parquet", id=[1], prompt=["a"])
+    _write(tmp_path / "d" / "b.parquet", prompt=["b"])
+    with pytest.raises(ConfigError, match="input.id_column: column 'id' not found in .*b.parquet"):
+        read_input(InputConfig(path=str(tmp_path / "d")))
+
+
+def test_duplicate_and_null_ids(tmp_path):
+    f = _write(tmp_path / "in.parquet", id=["a", "b", "a", "c", "c"], prompt=list("vwxyz"))
+    with pytest.raises(ConfigError) as e:
+        read_input(InputConfig(path=str(f)))
+    assert str(e.value) == "input.id_column: 2 ids appear more than once: 'a', 'c'"
+    # duplicates across files count too
+    _write(tmp_path / "d" / "a.parquet", id=[1, 2], prompt=["a", "b"])
+    _write(tmp_path / "d" / "b.parquet", id=[2, 3], prompt=["c", "d"])
+    with pytest.raises(ConfigError, match="1 ids appear more than once: 2"):
+        read_input(InputConfig(path=str(tmp_path / "d")))
+    g = _write(tmp_path / "nulls.parquet", id=["a", None], prompt=["x", "y"])
+    with pytest.raises(ConfigError, match="column 'id' has 1 null values"):
+        read_input(InputConfig(path=str(g)))
+
+
+def test_missing_and_unreadable_files(tmp_path):
+    with pytest.raises(ConfigError, match=r"input.path: '.*nope.parquet' does not exist"):
+        read_input(InputConfig(path=str(tmp_path / "nope.parquet")))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConfigError, match="holds no .parquet files"):
+        read_input(InputConfig(path=str(tmp_path / "empty")))
+    bad = tmp_path / "bad.parquet"
+    bad.write_text("not parquet")
+    with pytest.raises(ConfigError, match=r"input.path: cannot read .*bad.parquet as Parquet"):
+        read_input(InputConfig(path=str(bad)))

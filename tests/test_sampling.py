@@ -1,0 +1,109 @@
+"""Sampling: reproducible per row whatever the batch or order, top-k/top-p, stop strings."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from batchllm import LLM, SamplingParams
+from batchllm.engine.sampler import filtered_probs, row_key, uniform
+from batchllm.llm import RowInput
+from hf_reference import tiny_model_folder
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu")
+
+
+def prompts(n: int = 8) -> list[np.ndarray]:
+    rng = np.random.default_rng(1)
+    shared = rng.integers(5, 4000, 30).tolist()
+    return [np.asarray(shared + rng.integers(5, 4000, 1 + i % 5).tolist(), np.int32)
+            for i in range(n)]
+
+
+def run_rows(llm: LLM, order: list[int], sp: SamplingParams) -> dict[str, list[int]]:
+    ps = prompts()
+    rows = [RowInput(ps[i], sp, f"row-{i}") for i in order]
+    out: dict[str, list[int]] = {}
+    llm.run(rows, lambda k, o: out.__setitem__(rows[k].row_id, o.token_ids))
+    return out
+
+
+def test_temperature_sampling_is_the_same_whatever_the_batch_or_order(llm: LLM) -> None:
+    sp = SamplingParams(max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=7,
+                        ignore_eos=True)
+    together = run_rows(llm, list(range(8)), sp)
+    reversed_ = run_rows(llm, list(range(7, -1, -1)), sp)
+    alone = {}
+    for i in range(8):
+        alone.update(run_rows(llm, [i], sp))
+    assert together == reversed_ == alone
+    # The draws are random: rows differ from greedy and from each other's seeds.
+    other_seed = run_rows(llm, list(range(8)), SamplingParams(
+        max_tokens=12, temperature=1.0, top_p=0.9, top_k=50, seed=8, ignore_eos=True))
+    assert other_seed != together
+    greedy = run_rows(llm, list(range(8)), SamplingParams(max_tokens=12, ignore_eos=True))
+    assert greedy != together
+
+
+def test_top_k_one_is_greedy(llm: LLM) -> None:
+    greedy = run_rows(llm, list(range(8)), SamplingParams(max_tokens=8, ignore_eos=True))
+    top1 = run_rows(llm, list(range(8)), SamplingParams(
+        max_tokens=8, temperature=0.8, top_k=1, ignore_eos=True))
+    assert greedy == top1
+
+
+def test_draws_follow_the_filtered_distribution() -> None:
+    logits = torch.tensor([[2.0, 1.0, 0.5, -1.0, 0.0]])
+    probs, ids = filtered_probs(logits, torch.tensor([1.0]), torch.tensor([0]),
+                                torch.tensor([1.0]))
+    expected = torch.softmax(logits[0], -1)
+    assert torch.allclose(probs[0], expected[ids[0]])
+    # top_p 0.8 keeps the smallest set of most likely tokens whose mass reaches 0.8
+    probs, ids = filtered_probs(logits, torch.tensor([1.0]), torch.tensor([0]),
+                                torch.tensor([0.8]))
+    kept = ids[0][probs[0] > 0].tolist()
+    sorted_p = expected.sort(descending=True)
+    need = int((sorted_p.values.cumsum(0) < 0.8).sum()) + 1
+    assert kept == sorted_p.indices[:need].tolist()
+    # uniforms: in [0, 1), and about uniform
+    key = row_key(0, "x")
+    u = np.array([uniform(key, n) for n in range(20000)])
+    assert 0 <= u.min() and u.max() < 1
+    assert abs(u.mean() - 0.5) < 0.01
+    assert row_key(0, "x") != row_key(1, "x") != row_key(0, "y")
+
+
+def test_stop_string_across_tokens_is_cut(llm: LLM) -> None:
+    ids = prompts(1)
+    free = llm.generate([ids[0]], SamplingParams(max_tokens=20, ignore_eos=True))[0]
+    tok = llm.tokenizer
+    pieces = [tok.decode(free.token_ids[:k], skip_special_tokens=True) for k in range(21)]
+    # a stop string that starts inside one token's text and ends inside a later one
+    k = next(k for k in range(3, 18) if len(pieces[k]) - len(pieces[k - 1]) >= 2
+             and len(pieces[k + 1]) > len(pieces[k]))
+    start = len(pieces[k]) - 1
+    stop = pieces[k + 1][start : start + 2]
+    assert len(stop) == 2
+    first = pieces[-1].find(stop)
+    out = llm.generate([ids[0]], SamplingParams(max_tokens=20, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop"
+    assert out.text == pieces[-1][:first]
+    assert stop not in out.text
+    assert len(out.token_ids) <= k + 2
+
+
+def test_bad_sampling_and_too_long_prompts_become_error_rows(llm: LLM) -> None:
+    ps = prompts(3)
+    too_long = np.arange(llm.max_model_len + 5, dtype=np.int32) % 4000
+    outs = llm.generate(
+        [ps[0], too_long, ps[1], ps[2]],
+        [SamplingParams(max_tokens=4), SamplingParams(max_tokens=4),
+         SamplingParams(max_tokens=4, temperature=-1.0), SamplingParams(max_tokens=4)],
+    )
+    assert [o.finish_reason for o in outs] == ["length", "error", "error", "length"]
+    assert "tokens" in outs[1].error and "max_model_len" in outs[1].error
+    assert "temperature" in outs[2].error

@@ -1,0 +1,170 @@
+"""Rows out: checkpoint parts, resume, final file order/schema/metadata, atomic writes."""
+
+import json
+import os
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+
+from batchllm.config import ConfigError
+from batchllm.rows import writer as writer_module
+from batchllm.rows.writer import CheckpointWriter, output_schema, write_metrics
+
+FP = {"job": "legal", "model": "smollm2-135m-instruct", "sampling": {"max_tokens": 8}}
+
+
+def _row(i: int, ok: bool = True) -> dict:
+    return {"row": i, "id": f"r{i}", "completion": f"text {i}" if ok else None,
+            "finish_reason": "length" if ok else "error", "prompt_tokens": 10 + i,
+            "completion_tokens": 8 if ok else 0, "cached_tokens": 4, "error": None if ok else
+            "prompt too long", "prompt": f"prompt {i}", "token_ids": [i, i + 1]}
+
+
+def test_parts_flush_by_count_and_carry_fingerprint(tmp_path):
+    out = tmp_path / "out" / "legal.parquet"
+    w = CheckpointWriter(out, FP, flush_rows=2, flush_seconds=1e9)
+    for i in (4, 1, 3):
+        w.add(_row(i))
+    assert sorted(os.listdir(w.parts_dir)) == ["part-00000.parquet"]
+    w.flush()
+    w.flush()  # nothing buffered: no empty part
+    assert sorted(os.listdir(w.parts_dir)) == ["part-00000.parquet", "part-00001.parquet"]
+    part = pq.read_table(os.path.join(w.parts_dir, "part-00000.parquet"))
+    assert part.column("row").to_pylist() == [4, 1]
+    assert json.loads(part.schema.metadata[b"batchllm.fingerprint"]) == FP
+    assert w.done_rows() == {1, 3, 4}
+
+
+def test_flush_by_time(tmp_path):
+    w = CheckpointWriter(tmp_path / "o.parquet", FP, flush_rows=100, flush_seconds=0.0)
+    w.add(_row(0))
+    assert w.has_checkpoint()
+
+
+def test_resume_continues_numbering_and_finalizes_everything(tmp_path):
+    out = tmp_path / "legal.parquet"
+    first = CheckpointWriter(out, FP, flush_rows=2)
+    for i in (2, 0, 5):
+        first.add(_row(i))
+    # crash: row 5 was only buffered and is lost
+    resumed = CheckpointWriter(out, dict(FP))
+    assert resumed.done_rows() == {0, 2}
+    for i in (1, 3, 4, 5):
+        resumed.add(_row(i, ok=i != 3))
+    resumed.flush()
+    assert sorted(os.listdir(resumed.parts_dir)) == ["part-00000.parquet", "part-00001.parquet"]
+    resumed.finalize(pa.string(), {"job": "legal"}, include_prompt=False,
+                     include_token_ids=False, num_rows=6)
+    table = pq.read_table(out)
+    assert table.column("id").to_pylist() == [f"r{i}" for i in range(6)]
+    assert table.column("completion").to_pylist()[3] is None
+    assert table.column("error").to_pylist()[3] == "prompt too long"
+    assert not os.path.exists(resumed.parts_dir)
+
+
+def test_fingerprint_mismatch(tmp_path):
+    out = tmp_path / "legal.parquet"
+    w = CheckpointWriter(out, FP)
+    w.add(_row(0))
+    w.flush()
+    other = CheckpointWriter(out, {**FP, "sampling": {"max_tokens": 9}})
+    with pytest.raises(ConfigError) as e:
+        other.done_rows()
+    assert str(e.value) == (f"output.mode: the checkpoint in {out}.parts was written by a "
+                            "different job (differs in: sampling); use output.mode: overwrite "
+                            "to start again")
+    other.clear()
+    assert not other.has_checkpoint() and other.done_rows() == set()
+
+
+def test_damaged_part_is_ignored(tmp_path):
+    w = CheckpointWriter(tmp_path / "o.parquet", FP)
+    w.add(_row(0))
+    w.flush()
+    with open(os.path.join(w.parts_dir, "part-00001.parquet"), "wb") as f:
+        f.write(b"PAR1 torn")
+    assert w.done_rows() == {0}
+
+
+def test_final_schema_and_metadata(tmp_path):
+    out = tmp_path / "o.parquet"
+    w = CheckpointWriter(out, FP)
+    for i in (1, 0):
+        w.add({**_row(i), "id": i})
+    w.finalize(pa.int64(), {"job": "legal", "model": "m"}, include_prompt=True,
+               include_token_ids=True, num_rows=2)
+    table = pq.read_table(out)
+    assert table.schema.remove_metadata() == output_schema(pa.int64(), True, True)
+    assert [f"{f.name}:{f.type}" for f in table.schema] == [
+        "id:int64", "completion:string", "finish_reason:string", "prompt_tokens:int32",
+        "completion_tokens:int32", "cached_tokens:int32", "error:string", "prompt:string",
+        "token_ids:list<element: int32>"]
+    assert table.schema.metadata == {b"job": b"legal", b"model": b"m"}
+    assert table.column("token_ids").to_pylist() == [[0, 1], [1, 2]]
+    assert table.column("prompt_tokens").to_pylist() == [10, 11]
+
+
+def test_id_cast_to_input_type_and_empty_job(tmp_path):
+    w = CheckpointWriter(tmp_path / "o.parquet", FP)
+    w.add({**_row(0), "id": 7})
+    w.finalize(pa.int32(), {}, include_prompt=False, include_token_ids=False)
+    table = pq.read_table(tmp_path / "o.parquet")
+    assert table.schema.field("id").type == pa.int32() and table.num_rows == 1
+    assert table.column_names == ["id", "completion", "finish_reason", "prompt_tokens",
+                                  "completion_tokens", "cached_tokens", "error"]
+    empty = CheckpointWriter(tmp_path / "e.parquet", FP)
+    empty.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=0)
+    assert pq.read_table(tmp_path / "e.parquet").num_rows == 0
+
+
+def test_missing_rows_refused(tmp_path):
+    w = CheckpointWriter(tmp_path / "o.parquet", FP)
+    w.add(_row(0))
+    w.add(_row(2))
+    with pytest.raises(RuntimeError, match=r"1 of 3 rows are missing \(e.g. \[1\]\)"):
+        w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=3)
+    assert not os.path.exists(tmp_path / "o.parquet") and w.has_checkpoint()
+
+
+def test_final_file_written_to_temp_then_renamed(tmp_path, monkeypatch):
+    out = tmp_path / "o.parquet"
+    out.write_bytes(b"previous run")
+    replaced = []
+    real_replace = os.replace
+
+    def spy(src, dst):
+        # at the moment of the rename the complete file sits under the temporary name and the
+        # old output is still intact
+        if str(dst) == str(out):
+            assert pq.read_table(src).num_rows == 2 and out.read_bytes() == b"previous run"
+        replaced.append((str(src), str(dst)))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(writer_module.os, "replace", spy)
+    w = CheckpointWriter(out, FP)
+    w.add(_row(1))
+    w.add(_row(0))
+    w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=2)
+    assert (f"{out}.tmp", str(out)) in replaced
+    assert sorted(os.listdir(tmp_path)) == ["o.parquet"]  # no temp left, parts removed
+
+
+def test_write_metrics(tmp_path):
+    out = tmp_path / "out" / "legal.parquet"
+    out.parent.mkdir()
+    path = write_metrics(out, {"rows": 3, "output_tokens_per_s": float("nan"), "device": "cpu"})
+    assert path == f"{out}.metrics.json"
+    with open(path) as f:
+        assert json.load(f) == {"rows": 3, "output_tokens_per_s": None, "device": "cpu"}
+    assert sorted(os.listdir(out.parent)) == ["legal.parquet.metrics.json"]
+
+
+def test_row_written_twice_is_kept_once(tmp_path):
+    w = CheckpointWriter(tmp_path / "o.parquet", FP)
+    w.add(_row(0))
+    w.flush()
+    w.add(_row(0))
+    w.add(_row(1))
+    w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=2)
+    assert pq.read_table(tmp_path / "o.parquet").column("id").to_pylist() == ["r0", "r1"]
