@@ -22,10 +22,11 @@ def _cannot_start(message: str) -> None:
 
 def _start_errors() -> tuple[type[BaseException], ...]:
     from batchllm.config import ConfigError
+    from batchllm.engine.scheduler import KVCacheTooSmall
     from batchllm.job import JobCannotStart
     from batchllm.model.weights import ModelNotFoundError
 
-    return (ConfigError, JobCannotStart, ModelNotFoundError)
+    return (ConfigError, JobCannotStart, ModelNotFoundError, KVCacheTooSmall)
 
 
 @app.command()

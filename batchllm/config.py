@@ -269,16 +269,6 @@ class JobConfig:
         return d
 
 
-def check_value(section: type, name: str, value: Any) -> Any:
-    """One field's check alone (e.g. a per-row sampling value): the normalized value, or
-    ConfigError "section.name: expected ..."."""
-    check = next(f.metadata["check"] for f in dataclasses.fields(section) if f.name == name)
-    try:
-        return check(value)
-    except _Bad as e:
-        raise ConfigError(f"{section.SECTION}.{name}: {e}") from None
-
-
 def _keys_of(cls: type) -> list[str]:
     return [f.name for f in dataclasses.fields(cls) if "check" in f.metadata]
 
@@ -289,10 +279,10 @@ def _apply_override(raw: dict, item: str) -> None:
     where = f"--set {item}"
     if not eq or not all(parts):
         raise ConfigError(f"{where}: expected section.key=value, e.g. sampling.max_tokens=64")
-    try:
-        value = yaml.safe_load(text)
-    except yaml.YAMLError:
-        raise ConfigError(f"{where}: the value is not valid YAML")
+    try:  # a value starting with "#" would be a YAML comment: take it as text (stop=###)
+        value = text.strip() if text.lstrip().startswith("#") else yaml.safe_load(text)
+    except Exception:  # noqa: BLE001 - PyYAML raises more than YAMLError (dates, tags)
+        raise ConfigError(f"{where}: the value is not valid YAML") from None
     top = ["name", "version", *_SECTIONS]
     if parts[0] not in top:
         raise ConfigError(f"{where}: {parts[0]}: unknown key; {_did_you_mean(parts[0], top)}")
@@ -388,7 +378,7 @@ def load_job(path: str | os.PathLike, overrides: list[str] | tuple[str, ...] = (
     except ConfigError as e:
         raise ConfigError(*(f"{path}: {m}" for m in e.errors))
     except Exception as e:  # noqa: BLE001 - PyYAML raises more than YAMLError (dates, tags)
-        raise ConfigError(f"{path}: not valid YAML: {str(e)[:300]}")
+        raise ConfigError(f"{path}: not valid YAML: {str(e)[:300]}") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: expected a YAML mapping of sections (model, input, output, "
                           f"sampling, ...), got {_show(data)}")

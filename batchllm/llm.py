@@ -15,6 +15,7 @@ import numpy as np
 from batchllm.engine.engine import Engine, EngineRequest, EngineStats, RowResult
 from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
 from batchllm.engine.sampler import row_key
+from batchllm.engine.scheduler import KVCacheTooSmall
 from batchllm.model.loader import load_model
 from batchllm.plan.planner import make_plan
 from batchllm.rows.prompts import render_chats, tokenize
@@ -145,6 +146,7 @@ class LLM:
                           row_key(rows[i].sampling.seed, rows[i].row_id))
             for k, i in enumerate(good)
         ]
+        self._check_memory(requests)
         plan = make_plan(
             [r.prompt_ids for r in requests],
             np.asarray([r.sampling.max_tokens for r in requests], dtype=np.int32),
@@ -183,6 +185,24 @@ class LLM:
             "model": self.loaded.name,
         }
         return self.last_metrics
+
+
+    def _check_memory(self, requests: list[EngineRequest]) -> None:
+        """Before the run: the largest request (prompt + max_tokens, up to the model's limit)
+        must fit in the pool by itself, plus one page for a shared prefix's partial page."""
+        if not requests:
+            return
+        ps = self.engine.page_size
+        longest = max(min(len(r.prompt_ids) + r.sampling.max_tokens, self.max_model_len)
+                      for r in requests)
+        need = -(-longest // ps) + 1
+        if need > self.engine.num_pages:
+            raise KVCacheTooSmall(
+                f"engine.kv_cache_memory: the KV cache holds {self.engine.num_pages} pages of "
+                f"{ps} tokens ({self.engine.bytes_per_token} bytes per token); the longest "
+                f"request ({longest} tokens) needs {need} pages, i.e. at least "
+                f"{need * ps * self.engine.bytes_per_token} bytes"
+            )
 
 
 def _len(row: RowInput) -> int:

@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.store_kv import check_device, check_rows
+from kernels.store_kv import cdiv, check_device, check_rows, pow2
 
 
 @triton.jit
@@ -74,11 +74,11 @@ def merge_states(
     lse = torch.empty(t, h, dtype=torch.float32, device=o_a.device)
     if t == 0 or h == 0:
         return o, lse
-    block_h = min(16, triton.next_power_of_2(h))
-    _merge_states_kernel[(t, triton.cdiv(h, block_h))](
+    block_h = min(16, pow2(h))
+    _merge_states_kernel[(t, cdiv(h, block_h))](
         o_a, lse_a, o_b, lse_b, o, lse, h,
         o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
-        D=d, BLOCK_H=block_h, BLOCK_D=triton.next_power_of_2(d),
+        D=d, BLOCK_H=block_h, BLOCK_D=pow2(d),
     )
     return o, lse

@@ -3,9 +3,9 @@
 One program per (query tile, KV head, key split). A tile packs TILE_Q query tokens of one group
 times the GROUP query heads of a KV head (matrix-matrix products with tl.dot), so the prefix
 K and V are read once per tile rather than once per request. When the tiles alone cannot fill
-the GPU (a decode step: one query per request), the prefix keys are split into NUM_SPLITS
-ranges whose partial (o, lse) are merged by a second small kernel. No causal mask: every query
-comes after the prefix. Twin: `kernels.reference.prefix_attention_ref`.
+the GPU (a decode step: one query per request), the prefix keys are split into ranges whose
+partial (o, lse) a second small kernel merges (`_combine_splits_kernel`). No causal mask:
+every query comes after the prefix. Twin: `kernels.reference.prefix_attention_ref`.
 """
 
 from __future__ import annotations
@@ -20,14 +20,12 @@ from kernels.paged_attention import (
     LOG2E,
     attend_pages,
     check_attention,
-    dot_precision,
     find_seq,
+    launch_options,
     store_tile,
     tile_rows,
 )
-from kernels.store_kv import check_device, check_index
-
-BLOCK_N = 64
+from kernels.store_kv import cdiv, check_device, check_index, pow2
 
 
 @triton.jit
@@ -76,8 +74,8 @@ def _prefix_attention_kernel(
 def _combine_splits_kernel(
     o_part_ptr, lse_part_ptr,  # [S, T, H, D] fp32, [S, T, H] fp32, contiguous
     o_ptr, lse_ptr,  # [T, H, D], [T, H] fp32, contiguous
-    num_tokens, num_heads,
-    NUM_SPLITS: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    num_tokens, num_heads, num_splits,
+    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -87,12 +85,12 @@ def _combine_splits_kernel(
     row = t * num_heads + offs_h  # [BLOCK_H] index into [T, H]
     split_rows = num_tokens * num_heads
     m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         m = tl.maximum(m, tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0))
     m_safe = tl.where(m == float("-inf"), 0.0, m)
     total = tl.zeros([BLOCK_H], tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         w = tl.exp(tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0) - m_safe)
         o_off = (s * split_rows + row)[:, None] * D + offs_d[None, :]
         acc += w[:, None] * tl.load(o_part_ptr + o_off, mask=mask, other=0.0)
@@ -157,12 +155,14 @@ def prefix_attention_split(
         return o.zero_(), lse.fill_(float("-inf"))
     group = hq // hkv
     block_m, tile_q, tiles = tile_rows(t, groups, group, 64)
-    key_blocks = triton.cdiv(max_pages * page_size, BLOCK_N)
+    options = launch_options(q.dtype)
+    block_n = options["BLOCK_N"]
+    key_blocks = cdiv(max_pages * page_size, block_n)
     if num_splits is None:
         num_splits = _target_programs(q.device) // (tiles * hkv)
     num_splits = max(1, min(num_splits, key_blocks))
-    keys_per_split = triton.cdiv(key_blocks, num_splits) * BLOCK_N
-    num_splits = triton.cdiv(key_blocks * BLOCK_N, keys_per_split)
+    keys_per_split = cdiv(key_blocks, num_splits) * block_n
+    num_splits = cdiv(key_blocks * block_n, keys_per_split)
     if num_splits == 1:
         o_part, lse_part = o, lse
     else:
@@ -170,7 +170,7 @@ def prefix_attention_split(
         lse_part = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
     stride_os = o_part.stride(0) if num_splits > 1 else 0
     stride_ls = lse_part.stride(0) if num_splits > 1 else 0
-    block_d = max(16, triton.next_power_of_2(d))
+    block_d = max(16, pow2(d))
     _prefix_attention_kernel[(tiles, hkv, num_splits)](
         q, k_cache, v_cache, o_part, lse_part, prefix_pages, prefix_lens, cu_q,
         groups, keys_per_split, scale * LOG2E,
@@ -178,14 +178,13 @@ def prefix_attention_split(
         stride_ls, lse_part.stride(-2), lse_part.stride(-1),
         prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-        BLOCK_M=block_m, BLOCK_N=BLOCK_N, BLOCK_D=block_d,
-        DOT_PRECISION=dot_precision(q.dtype), num_warps=4,
+        BLOCK_M=block_m, BLOCK_D=block_d, **options,
     )
     if num_splits > 1:
-        block_h = min(16, triton.next_power_of_2(hq))
-        _combine_splits_kernel[(t, triton.cdiv(hq, block_h))](
-            o_part, lse_part, o, lse, t, hq,
-            NUM_SPLITS=num_splits, D=d, BLOCK_H=block_h, BLOCK_D=block_d,
+        block_h = min(16, pow2(hq))
+        _combine_splits_kernel[(t, cdiv(hq, block_h))](
+            o_part, lse_part, o, lse, t, hq, num_splits,
+            D=d, BLOCK_H=block_h, BLOCK_D=block_d,
         )
     return o, lse
 

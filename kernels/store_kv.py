@@ -37,11 +37,20 @@ def _store_kv_kernel(
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
+def pow2(n: int) -> int:
+    """The smallest power of two >= n (triton.next_power_of_2, without its call overhead)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def check_device(kernel: object, **tensors: torch.Tensor) -> torch.device:
     """All tensors on one device; CUDA, or the CPU when `kernel` runs in Triton's interpreter."""
-    devices = {name: t.device for name, t in tensors.items()}
-    first = next(iter(devices.values()))
-    if any(d != first for d in devices.values()):
+    first = next(iter(tensors.values())).device
+    if any(t.device != first for t in tensors.values()):
+        devices = {name: str(t.device) for name, t in tensors.items()}
         raise ValueError(f"all tensors must be on one device, got {devices}")
     if first.type != "cuda" and not isinstance(kernel, InterpretedFunction):
         raise ValueError(
@@ -110,5 +119,5 @@ def store_kv(
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, D=d, BLOCK_H=triton.next_power_of_2(hkv), BLOCK_D=triton.next_power_of_2(d),
+        HKV=hkv, D=d, BLOCK_H=pow2(hkv), BLOCK_D=pow2(d),
     )

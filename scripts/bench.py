@@ -8,13 +8,18 @@ Settings: hf-static (transformers `generate`, batches of 8, left padding: the se
 batching), hf-continuous (transformers' own continuous batching, where installed), batchllm with
 prefix sharing on and off. All greedy, end-of-sequence ignored, so every row yields exactly its
 max_tokens. Timed: generation only (model loading and tokenization for the baselines excluded;
-batchllm's generate includes its tokenization and planning).
+batchllm's generate includes its planning).
+
+Figures are only meaningful on an otherwise idle machine: with other processes on the cores,
+torch's OpenMP threads spin-wait and a 2-thread run can get 3-5x slower (the script warns when the
+load average exceeds the core count; OMP_WAIT_POLICY=PASSIVE softens it, --threads 1 too).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import subprocess
 import sys
@@ -226,6 +231,7 @@ def main() -> None:
     ap.add_argument("--batch-size", type=int, default=8, help="hf-static batch size")
     ap.add_argument("--page-size", type=int, default=16, help="batchllm page size")
     ap.add_argument("--skip-hf", action="store_true", help="skip both transformers baselines")
+    ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true")
     ap.add_argument("--skip-batchllm", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the results here")
@@ -242,6 +248,10 @@ def main() -> None:
     max_tokens = [r["max_tokens"] for r in rows]
     prompt_tokens = sum(len(p) for p in prompts)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        print(f"bench: WARNING load average {load:.1f} > {os.cpu_count()} cores: other processes "
+              "are running, figures will be unreliable", file=sys.stderr)
     print(f"workload: {len(rows)} rows, {prompt_tokens} prompt tokens, {sum(max_tokens)} output "
           f"tokens, model {args.model}, device {args.device}, threads {torch.get_num_threads()}",
           file=sys.stderr)
@@ -252,8 +262,9 @@ def main() -> None:
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device)
         model.eval()
-        runs.append(("hf-static",
-                     lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size)))
+        if not args.skip_hf_static:
+            runs.append(("hf-static",
+                         lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size)))
         if not args.skip_hf_continuous and hasattr(model, "continuous_batching_context_manager"):
             runs.append(("hf-continuous",
                          lambda: hf_continuous(model, prompts, max_tokens, pad_id)))
@@ -286,6 +297,7 @@ def main() -> None:
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         env = {"rows": len(rows), "prompt_tokens": prompt_tokens, "device": args.device,
+               "load_average_at_start": load, "cpu_count": os.cpu_count(),
                "threads": torch.get_num_threads(), "torch": torch.__version__}
         args.json.write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
 

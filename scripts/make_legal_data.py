@@ -2,12 +2,13 @@
 
 Each row's prompt is   task template + contract + question   (the system prompt is shared by every
 row through jobs/legal.yaml's input.system_prompt). Rows are the product
-templates x contracts x questions, in that nested order, so the prefix tree has three levels:
+templates x contracts x questions, in that nested order, so the prefix tree nests
 system prompt -> template -> contract -> question. Contracts are assembled from clause building
 blocks with varied parties, dates, amounts and governing law, so each is distinct.
 
 Deterministic: the same file on every run (seeded generator, fixed Parquet settings).
-Usage: python scripts/make_legal_data.py [--out data/legal/prompts.parquet] [--count-tokens]
+Usage: python scripts/make_legal_data.py [--out data/legal/prompts.parquet] [--contracts 16]
+                                        [--count-tokens]
 --count-tokens renders each prompt with SmolLM2's chat template and prints token statistics.
 """
 
@@ -198,9 +199,12 @@ def count_tokens(prompts: list[str]) -> None:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=str(ROOT / "data" / "legal" / "prompts.parquet"))
+    ap.add_argument("--contracts", type=int, default=16,
+                    help="contracts (rows = 4 templates x contracts x 4 questions); the committed "
+                         "file uses 16; fewer gives a smaller job for a quick run")
     ap.add_argument("--count-tokens", action="store_true")
     args = ap.parse_args()
-    ids, prompts = make_rows()
+    ids, prompts = make_rows(args.contracts)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     table = pa.table({"id": pa.array(ids, pa.string()), "prompt": pa.array(prompts, pa.string())})

@@ -133,10 +133,11 @@ def test_workers_need_ray():
 def test_overrides():
     job = job_from_dict(MINIMAL, ["sampling.temperature=0.7", "engine.kv_cache_memory=512MiB",
                                   "sampling.stop=['###', END]", "output.mode=resume",
-                                  "engine.ray_address=", "name=nightly"])
+                                  "engine.ray_address=", "name=nightly", "sampling.seed = 3"])
     assert job.sampling.temperature == 0.7 and job.engine.kv_cache_memory == "512MiB"
     assert job.sampling.stop == ("###", "END") and job.output.mode == "resume"
-    assert job.engine.ray_address is None and job.name == "nightly"
+    assert job.engine.ray_address is None and job.name == "nightly" and job.sampling.seed == 3
+    assert job_from_dict(MINIMAL, ["sampling.stop=###"]).sampling.stop == ("###",)
     # an override can supply a required field the file lacks
     d = {k: v for k, v in MINIMAL.items() if k != "output"}
     assert job_from_dict(d, ["output.path=x.parquet"]).output.path == "x.parquet"
@@ -151,6 +152,7 @@ def test_overrides():
      "--set sampling.max_tokens: expected section.key=value, e.g. sampling.max_tokens=64"),
     ("sampling=3", "--set sampling=3: expected sampling.<key>=value"),
     ("engine.page_size=abc", "engine.page_size: expected a positive integer, got 'abc'"),
+    ("sampling.seed=2001-13-45", "--set sampling.seed=2001-13-45: the value is not valid YAML"),
 ])
 def test_override_errors(item, message):
     assert _error(MINIMAL, [item]) == message

@@ -87,11 +87,19 @@ def test_float_max_tokens_from_pandas(tmp_path):
     assert read_input(InputConfig(path=str(f))).overrides["max_tokens"] == [16, None]
 
 
-def test_bad_per_row_value(tmp_path):
-    f = _write(tmp_path / "in.parquet", prompt=["a", "b"], max_tokens=[4, -1])
-    with pytest.raises(ConfigError, match=r"input column 'max_tokens' \(per-row sampling.max_tok"
-                                          r"ens\): row 1: expected a positive integer, got -1"):
-        read_input(InputConfig(path=str(f)))
+def test_per_row_values_pass_through_but_column_types_are_checked(tmp_path):
+    # a value out of range becomes an error row in the engine; the job goes on
+    f = _write(tmp_path / "in.parquet", prompt=["a", "b"], max_tokens=[4, -1], stop=["##", None])
+    rows = read_input(InputConfig(path=str(f)))
+    assert rows.overrides == {"max_tokens": [4, -1], "stop": [("##",), None]}
+    g = _write(tmp_path / "bad.parquet", prompt=["a"], max_tokens=["64"])
+    with pytest.raises(ConfigError) as e:
+        read_input(InputConfig(path=str(g)))
+    assert str(e.value) == ("input column 'max_tokens' (per-row sampling.max_tokens) has type "
+                            "string; expected integers")
+    h = _write(tmp_path / "frac.parquet", prompt=["a"], top_k=[1.5])
+    with pytest.raises(ConfigError, match="'top_k' .* has type double; expected integers"):
+        read_input(InputConfig(path=str(h)))
 
 
 def test_missing_prompt_column_names_the_field(tmp_path):
@@ -148,3 +156,19 @@ def test_missing_and_unreadable_files(tmp_path):
     bad.write_text("not parquet")
     with pytest.raises(ConfigError, match=r"input.path: cannot read .*bad.parquet as Parquet"):
         read_input(InputConfig(path=str(bad)))
+
+
+def test_legal_data_matches_its_script():
+    """data/legal/prompts.parquet is what scripts/make_legal_data.py writes (rerun it if not)."""
+    import importlib.util
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parent.parent
+    spec = importlib.util.spec_from_file_location("make_legal_data",
+                                                  root / "scripts" / "make_legal_data.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    ids, prompts = script.make_rows()
+    rows = read_input(InputConfig(path=str(root / "data" / "legal" / "prompts.parquet")))
+    assert rows.ids.to_pylist() == ids and rows.prompts == prompts
+    assert rows.num_rows == 256 and len(set(prompts)) == 256

@@ -100,10 +100,8 @@ class Engine:
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
         node_logits: dict[int, torch.Tensor] = {}
-        terminal = {
-            int(plan.row_parent[i]) for i, r in enumerate(requests)
-            if plan.row_parent[i] >= 0 and len(r.prompt_ids) == plan.node_end[plan.row_parent[i]]
-        }
+        # prefixes whose last position's logits rows will sample their first token from
+        terminal = set(np.flatnonzero(plan.node_terminal > 0).tolist())
         items = list(zip(plan.item_kind.tolist(), plan.item_id.tolist()))
         cursor = 0
         window = self.max_num_seqs + 128
@@ -118,9 +116,11 @@ class Engine:
                 s.computed + n == s.total and (s.kind is Kind.ROW or s.wants_logits)
                 for s, n in zip(step.seqs, step.num_tokens)
             ]
+            # Partial pages of shared prefixes are copied even in a step that runs no token.
+            self.attention.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
             out = None
             if step.seqs:
-                out = self.runner.run(step.seqs, step.num_tokens, step.copies, wants)
+                out = self.runner.run(step.seqs, step.num_tokens, wants)
                 stats.prefill_tokens += out.prefill_tokens
             sched.step_done(step)
             to_sample, rows = [], []

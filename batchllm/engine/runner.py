@@ -69,11 +69,9 @@ class ModelRunner:
         self,
         seqs: list[Sequence],
         counts: list[int],
-        copies: list[tuple[int, int]],
         wants_logits: list[bool],
     ) -> StepOutput:
         ps = self.page_size
-        self.attention.copy_pages([s for s, _ in copies], [d for _, d in copies])
         order, groups = _cascade_order(seqs, counts) if self.cascade else (
             list(range(len(seqs))), [])
         ids, pos, slots = [], [], []

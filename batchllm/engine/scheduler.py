@@ -48,9 +48,12 @@ class Scheduler:
     waiting: deque[Sequence] = field(default_factory=deque)
     running: list[Sequence] = field(default_factory=list)
     prefixes: dict[int, PrefixEntry] = field(default_factory=dict)
+    evicted: set[int] = field(default_factory=set)  # prefixes dropped under memory pressure
     preemptions: int = 0
 
     def add(self, seq: Sequence) -> None:
+        if seq.parent in self.evicted:
+            seq.parent = -1
         self.waiting.append(seq)
 
     @property
@@ -86,7 +89,11 @@ class Scheduler:
             i += 1
         if not preempted:
             self._admit(budget, seqs, counts, copies, from_prefix)
-        if not seqs and not from_prefix and self.waiting and not self.running:
+        # Nothing runs and nothing fits: pinned prefixes hold the pages. Degrade: drop pinned
+        # prefixes (their dependents recompute them) until the head of the queue fits.
+        while not self.running and self.waiting and self._evict_prefix():
+            self._admit(budget, seqs, counts, copies, from_prefix)
+        if not self.running and self.waiting:
             head = self.waiting[0]
             need = -(-(head.total + 1) // self.page_size)
             raise KVCacheTooSmall(
@@ -161,6 +168,18 @@ class Scheduler:
         if entry.pins == 0:
             self.pool.release(entry.pages)
             del self.prefixes[node]
+
+    def _evict_prefix(self) -> bool:
+        """Release the most recently computed pinned prefix; False when there is none."""
+        if not self.prefixes:
+            return False
+        node = next(reversed(self.prefixes))
+        self.pool.release(self.prefixes.pop(node).pages)
+        self.evicted.add(node)
+        for seq in self.waiting:
+            if seq.parent == node:
+                seq.parent = -1
+        return True
 
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages and put it first in line, to be recomputed."""

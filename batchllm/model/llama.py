@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from transformers import PretrainedConfig
 
+from batchllm.config import ConfigError
 from batchllm.model.attention import PagedAttention
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
@@ -38,8 +39,8 @@ class ModelShape:
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ValueError(
-            f"model type {config.model_type!r} is not supported; supported: "
+        raise ConfigError(
+            f"model.path: model type {config.model_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads

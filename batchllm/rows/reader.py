@@ -15,13 +15,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from batchllm.config import (
-    SAMPLING_FIELDS,
-    ConfigError,
-    InputConfig,
-    SamplingConfig,
-    check_value,
-)
+from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 
 
 @dataclass(frozen=True)
@@ -123,28 +117,45 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
     return ids
 
 
+_COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
+    "max_tokens": (pa.types.is_integer, "integers"),
+    "top_k": (pa.types.is_integer, "integers"),
+    "seed": (pa.types.is_integer, "integers"),
+    "temperature": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
+    "top_p": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
+    "ignore_eos": (pa.types.is_boolean, "booleans"),
+    "stop": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or (
+        (pa.types.is_list(t) or pa.types.is_large_list(t))
+        and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))),
+        "strings or lists of strings"),
+}
+
+
 def _override(name: str, col: pa.ChunkedArray) -> list:
-    """One per-row sampling column, each value checked by SamplingConfig's own field check."""
-    if pa.types.is_floating(col.type) and name in ("max_tokens", "top_k", "seed"):
+    """One per-row sampling column as Python values (None: the job default).
+
+    Only the column's type is checked here; a value out of range (max_tokens 0) is left for the
+    engine to turn into an error row, so one bad row does not stop the job."""
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    if pa.types.is_floating(col.type) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers":
         try:  # e.g. pandas wrote integers with nulls as float64
             col = col.cast(pa.int64())
         except pa.ArrowInvalid:
             pass
-    values, bad = col.to_pylist(), []
-    for i, v in enumerate(values):
-        if v is not None:
-            try:
-                values[i] = check_value(SamplingConfig, name, v)
-            except ConfigError as e:
-                bad.append(f"row {i}: {e.errors[0].split(': ', 1)[1]}")
-    if bad:
-        raise ConfigError(f"input column {name!r} (per-row sampling.{name}): " + "; ".join(bad[:3]))
+    ok, words = _COLUMN_KINDS.get(name, (lambda t: True, ""))
+    if not (ok(col.type) or pa.types.is_null(col.type)):
+        raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
+                          f"{col.type}; expected {words}")
+    values = col.to_pylist()
+    if name == "stop":
+        values = [v if v is None else (v,) if isinstance(v, str) else tuple(v) for v in values]
     return values
 
 
 def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
     """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
-    and bad per-row sampling values raise ConfigError naming the file or the field."""
+    and per-row sampling columns of the wrong type raise ConfigError naming the file or field."""
     files = input_files(cfg.path)
     text = cfg.messages_column or cfg.prompt_column
     field = "input.messages_column" if cfg.messages_column else "input.prompt_column"
