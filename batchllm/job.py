@@ -90,17 +90,17 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
               kv_cache_memory=_kv_memory(e.kv_cache_memory), max_num_seqs=e.max_num_seqs,
               max_batched_tokens=e.max_batched_tokens, prefix_sharing=e.prefix_sharing,
               order=cfg.planner.order)
-    todo = [i for i in range(rows.num_rows) if i not in done]
-    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows, todo)
+    # Every row is planned, so that a resumed run makes the same plan; done rows are skipped.
+    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows,
+                                 list(range(rows.num_rows)))
     ids = rows.ids.to_pylist()
     bar = Progress(rows.num_rows, len(done), enabled=progress)
 
-    def on_output(k: int, out: RequestOutput) -> None:
-        i = todo[k]
+    def on_output(i: int, out: RequestOutput) -> None:
         writer.add({
             "row": i, "id": ids[i], "completion": out.text, "finish_reason": out.finish_reason,
             "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-            "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompts[k],
+            "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompts[i],
             "token_ids": out.token_ids,
         })
         bar.row_done(out)
@@ -110,7 +110,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
 
     previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
-        metrics = llm.run(inputs, on_output, bar.step)
+        metrics = llm.run(inputs, on_output, bar.step, skip=done)
     except JobInterrupted as stop:
         writer.flush()
         bar.close()

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Sequence
+from typing import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -130,29 +130,38 @@ class LLM:
         rows: list[RowInput],
         on_output: Callable[[int, RequestOutput], None],
         on_step: Callable[[EngineStats], None] | None = None,
+        skip: Collection[int] = (),
     ) -> dict:
         """Plan and run rows; each result goes to on_output(row index, output) as it finishes.
-        Returns the run's metrics (also kept in `last_metrics`)."""
+        Rows in `skip` (done by an earlier, interrupted run) are planned with the others, so
+        that the plan is the same, but not run. Returns the run's metrics (also kept in
+        `last_metrics`)."""
         start = time.perf_counter()
         good: list[int] = []
         for i, row in enumerate(rows):
             problem = self.check_row(row)
-            if problem:
-                on_output(i, RequestOutput(None, [], "error", _len(row), 0, problem))
-            else:
+            if not problem:
                 good.append(i)
+            elif i not in skip:
+                on_output(i, RequestOutput(None, [], "error", _len(row), 0, problem))
         requests = [
             EngineRequest(k, rows[i].prompt_ids, rows[i].sampling,
                           row_key(rows[i].sampling.seed, rows[i].row_id))
             for k, i in enumerate(good)
         ]
-        self._check_memory(requests)
+        self._check_memory(requests)  # all rows: the result must not depend on what is skipped
         plan = make_plan(
             [r.prompt_ids for r in requests],
             np.asarray([r.sampling.max_tokens for r in requests], dtype=np.int32),
             prefix_sharing=self.prefix_sharing,
             order=self.order,
         )
+        if skip:
+            keep = np.asarray([i not in skip for i in good], dtype=bool)
+            plan = plan.restricted_to(keep)
+            requests_run = [r for r, k in zip(requests, keep) if k]
+        else:
+            requests_run = requests
         cached = 0
 
         def done(res: RowResult) -> None:
@@ -163,9 +172,9 @@ class LLM:
 
         stats = self.engine.run(requests, plan, done, on_step)
         wall = time.perf_counter() - start
-        prompt_tokens = int(sum(len(r.prompt_ids) for r in requests))
+        prompt_tokens = int(sum(len(r.prompt_ids) for r in requests_run))
         self.last_metrics = {
-            "rows": len(rows),
+            "rows": len(rows) - len(skip),
             "prompt_tokens": prompt_tokens,
             "prefill_tokens": stats.prefill_tokens,
             "tree_tokens": int(plan.stats()["tree_tokens"]),

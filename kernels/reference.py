@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 
 _QUERY_BLOCK = 256  # query rows per product for long chunks, bounds the score matrix
+_DECODE_BUCKET = 16  # one-query sequences padded together
 
 
 def store_kv_ref(
@@ -29,37 +30,71 @@ def store_kv_ref(
 
 def _attend(
     q: torch.Tensor,  # [B, Tq, Hq, D]
-    k: torch.Tensor,  # [B, Tk, Hkv, D]
-    v: torch.Tensor,  # [B, Tk, Hkv, D]
+    k: torch.Tensor,  # [B, Hkv, Tk, D]
+    v: torch.Tensor,  # [B, Hkv, Tk, D]
     mask: torch.Tensor | None,  # [B, Tq, Tk] bool, True where the key is visible; None: all
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Masked grouped-query attention on padded batches -> (o [B,Tq,Hq,D], lse [B,Tq,Hq] fp32)."""
     b, tq, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
+    hkv, tk = k.shape[1], k.shape[2]
     g = hq // hkv
-    qg = q.view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
-    kt = k.permute(0, 2, 3, 1)  # [B, Hkv, D, Tk]
-    vt = v.permute(0, 2, 1, 3)  # [B, Hkv, Tk, D]
-    s = torch.matmul(qg, kt).float().mul_(scale)  # [B, Hkv, G*Tq, Tk]
+    qg = (q * scale).view(b, tq, hkv, g, d).permute(0, 2, 3, 1, 4).reshape(b, hkv, g * tq, d)
+    s = torch.matmul(qg, k.transpose(-1, -2)).float()  # [B, Hkv, G*Tq, Tk]
     if mask is not None:
         s = s.view(b, hkv, g, tq, tk).masked_fill_(~mask[:, None, None], float("-inf"))
         s = s.view(b, hkv, g * tq, tk)
-    lse = torch.logsumexp(s, dim=-1)  # [B, Hkv, G*Tq]
-    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
-    p = torch.exp(s.sub_(safe.unsqueeze(-1)))
-    o = torch.matmul(p.to(v.dtype), vt)  # [B, Hkv, G*Tq, D]
+    m = s.amax(dim=-1, keepdim=True)  # [B, Hkv, G*Tq, 1]
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a row with no visible key
+    p = s.sub_(m).exp_()
+    total = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p.to(v.dtype), v)  # [B, Hkv, G*Tq, D]
+    o = o / torch.where(total > 0, total, torch.ones_like(total)).to(o.dtype)
+    lse = (m + torch.log(total)).squeeze(-1)  # log 0 = -inf for an empty row
     o = o.view(b, hkv, g, tq, d).permute(0, 3, 1, 2, 4).reshape(b, tq, hq, d)
     lse = lse.view(b, hkv, g, tq).permute(0, 3, 1, 2).reshape(b, tq, hq)
     return o, lse
 
 
+def _attend_one_query(
+    q: torch.Tensor,  # [B, Hq, D]
+    k: torch.Tensor,  # [B, Tk, Hkv, D]
+    v: torch.Tensor,  # [B, Tk, Hkv, D]
+    visible: torch.Tensor,  # [B, Tk] bool
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [B, Hq, D], lse [B, Hq] fp32
+    """One query per sequence, keys in cache order: the queries go in as a block-diagonal
+    [Hkv*D, Hq] matrix, so K and V are read once, in place, by one product each."""
+    b, hq, d = q.shape
+    tk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    eye = torch.eye(hkv, dtype=q.dtype, device=q.device)
+    q_blocks = torch.einsum("bhgd,hk->bhdkg", (q * scale).view(b, hkv, g, d), eye)
+    s = torch.bmm(k.reshape(b, tk, hkv * d), q_blocks.reshape(b, hkv * d, hq)).float()
+    s.masked_fill_(~visible[:, :, None], float("-inf"))  # [B, Tk, Hq]
+    m = s.amax(dim=1, keepdim=True)  # [B, 1, Hq]
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    p = s.sub_(m).exp_()
+    total = p.sum(dim=1)  # [B, Hq]
+    o_all = torch.bmm(p.transpose(1, 2).to(v.dtype), v.reshape(b, tk, hkv * d))  # [B, Hq, Hkv*D]
+    o = torch.diagonal(o_all.view(b, hkv, g, hkv, d), dim1=1, dim2=3)  # [B, G, D, Hkv]
+    o = o.permute(0, 3, 1, 2).reshape(b, hq, d)
+    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None].to(o.dtype)
+    return o, m.squeeze(1) + torch.log(total)
+
+
 def _gather(
     cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    slots: torch.Tensor,  # [...] int64
-) -> torch.Tensor:  # [..., Hkv, D]
+    slots: torch.Tensor,  # [B, Tk] int64
+) -> torch.Tensor:  # [B, Tk, Hkv, D]
     hkv, d = cache.shape[2], cache.shape[3]
-    return cache.view(-1, hkv, d)[slots]
+    rows = cache.view(-1, hkv, d).index_select(0, slots.reshape(-1))  # index_select: fast path
+    return rows.view(*slots.shape, hkv, d)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    """[B, Tk, Hkv, D] -> [B, Hkv, Tk, D], contiguous."""
+    return x.permute(0, 2, 1, 3).contiguous()
 
 
 def _slots(
@@ -96,17 +131,19 @@ def paged_attention_ref(
     cu = cu_q.tolist()
     ctx = context_lens.tolist()
     start = kv_start.tolist()
-    decodes = [b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1]
-    if decodes:
-        _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, decodes, scale, o, lse)
+    decodes = sorted((b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1),
+                     key=lambda b: ctx[b] - start[b])
+    for lo in range(0, len(decodes), _DECODE_BUCKET):  # similar lengths: little padding
+        bucket = decodes[lo : lo + _DECODE_BUCKET]
+        _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, bucket, scale, o, lse)
     for b in range(len(ctx)):
         n = cu[b + 1] - cu[b]
         if n <= 1:
             continue
         keys = torch.arange(start[b], ctx[b], device=q.device)  # [Tk]
         slots = _slots(page_table[b : b + 1], keys[None], page_size)  # [1, Tk]
-        k = _gather(k_cache, slots)  # [1, Tk, Hkv, D]
-        v = _gather(v_cache, slots)
+        k = _heads_first(_gather(k_cache, slots))  # [1, Hkv, Tk, D]
+        v = _heads_first(_gather(v_cache, slots))
         first = ctx[b] - n
         for lo in range(0, n, _QUERY_BLOCK):
             hi = min(n, lo + _QUERY_BLOCK)
@@ -119,7 +156,7 @@ def paged_attention_ref(
 
 
 def _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, seqs, scale, o, lse) -> None:
-    """All one-query sequences as one padded batch; writes into o and lse in place."""
+    """One-query sequences as one padded batch; writes into o and lse in place."""
     page_size = k_cache.shape[1]
     dev = q.device
     rows = torch.tensor([cu[b] for b in seqs], device=dev)  # [B]
@@ -133,9 +170,9 @@ def _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, seqs, scale, 
     slots = _slots(table, positions, page_size)  # [B, Tk]
     k = _gather(k_cache, slots)  # [B, Tk, Hkv, D]
     v = _gather(v_cache, slots)
-    ob, lb = _attend(q[rows][:, None], k, v, visible[:, None, :], scale)
-    o[rows] = ob[:, 0]
-    lse[rows] = lb[:, 0]
+    ob, lb = _attend_one_query(q[rows], k, v, visible, scale)
+    o[rows] = ob
+    lse[rows] = lb
 
 
 def prefix_attention_ref(
@@ -159,8 +196,8 @@ def prefix_attention_ref(
             continue
         keys = torch.arange(plen, device=q.device)[None]  # [1, P]
         slots = _slots(prefix_pages[g : g + 1], keys, page_size)
-        k = _gather(k_cache, slots)  # [1, P, Hkv, D]
-        v = _gather(v_cache, slots)
+        k = _heads_first(_gather(k_cache, slots))  # [1, Hkv, P, D]
+        v = _heads_first(_gather(v_cache, slots))
         n = cu[g + 1] - cu[g]
         # All queries of the group go in as one "sequence": one product per head.
         ob, lb = _attend(q[None, cu[g] : cu[g + 1]], k, v, None, scale)

@@ -17,7 +17,7 @@ the rows alone, in the same order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, fields
+from dataclasses import replace, dataclass, fields
 
 import numpy as np
 
@@ -120,6 +120,35 @@ class Plan:
         assert np.all(self.node_rows >= 2), "a prefix node must be shared"
         if not self.prefix_sharing:
             assert g == 0 and not rhas.any() and len(kind) == r
+
+    def restricted_to(self, keep: np.ndarray) -> Plan:
+        """The same plan running only the rows where keep [R] is True (a resumed job): the tree,
+        the parents and the order stay; prefix nodes no kept row needs are dropped, and
+        node_users / node_terminal count kept dependents only. Row ids are unchanged."""
+        g = self.num_nodes
+        rp = self.row_parent
+        kept_rows = keep & (rp >= 0)
+        direct = np.bincount(rp[kept_rows], minlength=g)
+        children = np.zeros(g, np.int64)
+        needed = np.zeros(g, bool)
+        for v in range(g - 1, -1, -1):  # children have larger ids than their parents
+            needed[v] = direct[v] + children[v] > 0
+            if needed[v] and self.node_parent[v] >= 0:
+                children[self.node_parent[v]] += 1
+        kind, ids = self.item_kind, self.item_id
+        item_keep = np.where(kind == ROW, keep[np.where(kind == ROW, ids, 0)],
+                             needed[np.where(kind == PREFIX, ids, 0)])
+        terminal = np.bincount(rp[kept_rows & self.row_is_terminal], minlength=g)
+        tree = self.tree_tokens
+        if self.prefix_sharing:  # what the kept rows need computed: needed nodes + own parts
+            parent_end = np.append(self.node_end, 0)[rp]
+            tree = int((self.node_end - self.node_start)[needed].sum()
+                       + (self.row_len - parent_end)[keep].sum())
+        return replace(
+            self, tree_tokens=tree, node_users=(direct + children).astype(np.int32),
+            node_terminal=terminal.astype(np.int32),
+            item_kind=kind[item_keep], item_id=ids[item_keep],
+        )
 
     def predict_peak_pages(self, page_size: int, max_num_seqs: int) -> int:
         """Peak KV pages of a simple simulation of the item order.
