@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -32,7 +32,7 @@ def _start_errors() -> tuple[type[BaseException], ...]:
 @app.command()
 def run(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
-    overrides: Annotated[Optional[list[str]], _SET] = None,
+    overrides: Annotated[list[str] | None, _SET] = None,
     quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
 ) -> None:
     """Run a job: every input row gets an output row."""
@@ -50,7 +50,7 @@ def run(
 @app.command()
 def plan(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
-    overrides: Annotated[Optional[list[str]], _SET] = None,
+    overrides: Annotated[list[str] | None, _SET] = None,
 ) -> None:
     """Read and tokenize the input, build the prefix tree and print what a run would do.
     Runs no model forward pass."""

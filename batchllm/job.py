@@ -78,7 +78,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
     rows = read_input(cfg.input)
     writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
-                              flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", 256)))
+                              flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", "256")))
     done = _prepare_output(cfg, writer)
     if done == {-1}:
         print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)

@@ -7,8 +7,8 @@ prefix tree and run by the same engine.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
-from typing import Callable, Collection, Sequence
 
 import numpy as np
 
@@ -53,7 +53,7 @@ class LLM:
         device: str = "auto",
         max_model_len: int | None = None,
         page_size: int = 16,
-        kv_cache_memory: float | int = 0.9,
+        kv_cache_memory: float = 0.9,
         max_num_seqs: int = 256,
         max_batched_tokens: int = 8192,
         prefix_sharing: bool = True,

@@ -6,7 +6,14 @@ Tests import the helpers directly: `from hf_reference import hf_greedy_reference
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
+
+import torch
+
+# Without CUDA the Triton kernels run under the interpreter; set before anything imports triton.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
 from hf_reference import TINY_KINDS, tiny_model_folder

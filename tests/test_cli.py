@@ -12,7 +12,6 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from hf_reference import tiny_model_folder
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")

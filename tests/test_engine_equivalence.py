@@ -7,9 +7,9 @@ import functools
 
 import numpy as np
 import pytest
+from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
 
 from batchllm import LLM, SamplingParams
-from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
 
 MAX_TOKENS = 10
 

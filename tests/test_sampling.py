@@ -5,11 +5,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
+from hf_reference import tiny_model_folder
 
 from batchllm import LLM, SamplingParams
 from batchllm.engine.sampler import filtered_probs, row_key, uniform
 from batchllm.llm import RowInput
-from hf_reference import tiny_model_folder
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ def _available_ram() -> int:
     raise OSError("MemAvailable not found in /proc/meminfo")
 
 
-def kv_budget_bytes(kv_cache_memory: float | int, device: torch.device) -> int:
+def kv_budget_bytes(kv_cache_memory: float, device: torch.device) -> int:
     """A float in (0, 1] is a fraction of free accelerator memory (of available RAM on the CPU,
     capped at 8 GiB); an int is a size in bytes."""
     if isinstance(kv_cache_memory, int) and not isinstance(kv_cache_memory, bool):

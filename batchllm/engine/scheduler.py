@@ -113,11 +113,11 @@ class Scheduler:
             if seq.parent >= 0 and seq.parent not in self.prefixes:
                 idx += 1  # its prefix is still being computed
                 continue
-            copy = self._attach(seq)
+            fits, copy = self._attach(seq)
             n = min(seq.total - seq.computed, budget)
             need = self._pages_short(seq, seq.computed + n)
-            if need > self.pool.num_free - watermark:
-                self._detach(seq, copy)
+            if not fits or need > self.pool.num_free - watermark:
+                self._detach(seq)
                 break
             seq.pages += self.pool.allocate(need)
             del self.waiting[idx]
@@ -132,11 +132,12 @@ class Scheduler:
                 counts.append(n)
                 budget -= n
 
-    def _attach(self, seq: Sequence) -> tuple[int, int] | None:
-        """Borrow the parent prefix's pages; returns the partial-page copy to make, if any."""
+    def _attach(self, seq: Sequence) -> tuple[bool, tuple[int, int] | None]:
+        """Borrow the parent prefix's pages. Returns whether a page for the copy of a partial
+        last page could be had, and that copy (source, destination), if any."""
         if seq.parent < 0:
             seq.computed = 0
-            return None
+            return True, None
         entry = self.prefixes[seq.parent]
         full = entry.end // self.page_size
         seq.pages = entry.pages[:full]
@@ -146,14 +147,14 @@ class Scheduler:
         if seq.kind is Kind.ROW:
             seq.cached_tokens = entry.end
         if entry.end % self.page_size == 0:
-            return None
+            return True, None
         own = self.pool.allocate(1)
         if own is None:
-            return (entry.pages[full], -1)  # cannot fit: _detach undoes, admission stops
+            return False, None
         seq.pages.append(own[0])
-        return (entry.pages[full], own[0])
+        return True, (entry.pages[full], own[0])
 
-    def _detach(self, seq: Sequence, copy: tuple[int, int] | None) -> None:
+    def _detach(self, seq: Sequence) -> None:
         self.pool.release(seq.pages)
         seq.pages = []
         seq.num_borrowed_pages = 0

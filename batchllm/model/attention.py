@@ -8,8 +8,8 @@ merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

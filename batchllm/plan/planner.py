@@ -17,7 +17,7 @@ the rows alone, in the same order.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import replace, dataclass, fields
+from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
