@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 _QUERY_BLOCK = 256  # query rows per product for long chunks, bounds the score matrix
-_DECODE_BUCKET = 16  # one-query sequences padded together
+_DECODE_BUCKET = 64  # one-query sequences padded together
 
 
 def store_kv_ref(
@@ -63,24 +63,25 @@ def _attend_one_query(
     visible: torch.Tensor,  # [B, Tk] bool
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [B, Hq, D], lse [B, Hq] fp32
-    """One query per sequence, keys in cache order: the queries go in as a block-diagonal
-    [Hkv*D, Hq] matrix, so K and V are read once, in place, by one product each."""
+    """One query per sequence. Scores per KV head (K made heads-first), values by one product
+    per sequence with the probabilities as [Hq, Tk], keeping the diagonal blocks (the query
+    heads of KV head h against h's values): V is read in place."""
     b, hq, d = q.shape
     tk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
-    eye = torch.eye(hkv, dtype=q.dtype, device=q.device)
-    q_blocks = torch.einsum("bhgd,hk->bhdkg", (q * scale).view(b, hkv, g, d), eye)
-    s = torch.bmm(k.reshape(b, tk, hkv * d), q_blocks.reshape(b, hkv * d, hq)).float()
-    s.masked_fill_(~visible[:, :, None], float("-inf"))  # [B, Tk, Hq]
-    m = s.amax(dim=1, keepdim=True)  # [B, 1, Hq]
+    qt = (q * scale).view(b, hkv, g, d).transpose(-1, -2)  # [B, Hkv, D, G]
+    s = torch.matmul(_heads_first(k), qt).float()  # [B, Hkv, Tk, G]
+    s.masked_fill_(~visible[:, None, :, None], float("-inf"))
+    m = s.amax(dim=2, keepdim=True)  # [B, Hkv, 1, G]
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
     p = s.sub_(m).exp_()
-    total = p.sum(dim=1)  # [B, Hq]
-    o_all = torch.bmm(p.transpose(1, 2).to(v.dtype), v.reshape(b, tk, hkv * d))  # [B, Hq, Hkv*D]
+    total = p.sum(dim=2).reshape(b, hq)  # [B, Hq]
+    probs = p.permute(0, 1, 3, 2).reshape(b, hq, tk)  # [B, Hq, Tk]
+    o_all = torch.bmm(probs.to(v.dtype), v.reshape(b, tk, hkv * d))  # [B, Hq, Hkv*D]
     o = torch.diagonal(o_all.view(b, hkv, g, hkv, d), dim1=1, dim2=3)  # [B, G, D, Hkv]
     o = o.permute(0, 3, 1, 2).reshape(b, hq, d)
     o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None].to(o.dtype)
-    return o, m.squeeze(1) + torch.log(total)
+    return o, m.reshape(b, hq) + torch.log(total)
 
 
 def _gather(
@@ -194,16 +195,30 @@ def prefix_attention_ref(
     for g, plen in enumerate(prefix_lens.tolist()):
         if plen == 0 or cu[g + 1] == cu[g]:
             continue
-        keys = torch.arange(plen, device=q.device)[None]  # [1, P]
-        slots = _slots(prefix_pages[g : g + 1], keys, page_size)
-        k = _heads_first(_gather(k_cache, slots))  # [1, Hkv, P, D]
-        v = _heads_first(_gather(v_cache, slots))
-        n = cu[g + 1] - cu[g]
-        # All queries of the group go in as one "sequence": one product per head.
-        ob, lb = _attend(q[None, cu[g] : cu[g + 1]], k, v, None, scale)
-        o[cu[g] : cu[g] + n] = ob[0]
-        lse[cu[g] : cu[g] + n] = lb[0]
+        pages = prefix_pages[g, : -(-plen // page_size)].tolist()
+        k = _heads_first(_prefix_keys(k_cache, pages, plen)[None])  # [1, Hkv, P, D]
+        v = _heads_first(_prefix_keys(v_cache, pages, plen)[None])
+        # All queries of the group go in as one "sequence": one product per KV head.
+        for lo in range(cu[g], cu[g + 1], _QUERY_BLOCK):
+            hi = min(cu[g + 1], lo + _QUERY_BLOCK)
+            ob, lb = _attend(q[None, lo:hi], k, v, None, scale)
+            o[lo:hi], lse[lo:hi] = ob[0], lb[0]
     return o, lse
+
+
+def _prefix_keys(
+    cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    pages: list[int],
+    length: int,
+) -> torch.Tensor:  # [length, Hkv, D]
+    """A prefix's keys (or values): a view of the cache when its pages are consecutive (a prefix
+    computed in one step usually is), else a gathered copy."""
+    n, ps, hkv, d = cache.shape
+    if pages == list(range(pages[0], pages[0] + len(pages))):
+        run = cache[pages[0] : pages[0] + len(pages)]
+    else:
+        run = cache.index_select(0, torch.tensor(pages, device=cache.device))
+    return run.view(-1, hkv, d)[:length]
 
 
 def merge_states_ref(

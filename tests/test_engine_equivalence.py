@@ -7,6 +7,7 @@ import functools
 
 import numpy as np
 import pytest
+import torch
 from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
 
 from batchllm import LLM, SamplingParams
@@ -124,3 +125,16 @@ def test_smollm2_real_prompts_match_transformers(smollm2_folder) -> None:
     # Every row reused the shared system prompt computed once.
     assert all(out.cached_tokens > 0 for out in outs)
     assert m["cached_tokens"] >= m["prompt_tokens"] - m["tree_tokens"]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("sharing", [True, False])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_greedy_matches_on_cuda_with_the_triton_kernels(sharing: bool, page_size: int) -> None:
+    # The GPU path (Triton kernels) in float32 against the CPU reference.
+    llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cuda",
+              prefix_sharing=sharing, page_size=page_size, max_batched_tokens=32)
+    outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference("llama"))):
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+    assert llm.last_metrics["device"].startswith("cuda")
