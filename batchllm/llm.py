@@ -185,6 +185,7 @@ class LLM:
             "total_tokens_per_s": (prompt_tokens + stats.completion_tokens) / wall if wall else 0.0,
             "kv_pages_total": stats.kv_pages_total,
             "kv_pages_peak": stats.kv_pages_peak,
+            "kv_pages_shared_peak": stats.kv_pages_shared_peak,
             "kv_bytes_per_token": stats.kv_bytes_per_token,
             "page_size": self.engine.page_size,
             "preemptions": stats.preemptions,

@@ -33,7 +33,8 @@ class Progress:
         hit = self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
         self.bar.set_postfix_str(
             f"out {stats.completion_tokens / (now - self.start):.1f} tok/s, prefix hit {hit:.0%}, "
-            f"KV {stats.kv_pages_in_use}/{stats.kv_pages_total} pages, "
+            f"KV {stats.kv_pages_in_use}/{stats.kv_pages_total} pages "
+            f"({stats.kv_pages_shared} shared), "
             f"queue {stats.waiting}, preempt {stats.preemptions}",
             refresh=False,
         )
@@ -52,7 +53,8 @@ def summary(metrics: dict, output: str) -> str:
         f"  speed: {m['wall_seconds']:.1f} s, {m['output_tokens_per_s']:.1f} output tok/s, "
         f"{m['total_tokens_per_s']:.1f} total tok/s",
         f"  KV cache: {m['kv_pages_total']} pages of {m['page_size']} tokens "
-        f"({m['kv_bytes_per_token']} bytes/token), peak {m['kv_pages_peak']}, "
+        f"({m['kv_bytes_per_token']} bytes/token), peak {m['kv_pages_peak']} "
+        f"(shared {m['kv_pages_shared_peak']}), "
         f"preemptions {m['preemptions']}",
         f"  model {m['model']} on {m['device']} ({m['dtype']})",
     ])

@@ -116,3 +116,26 @@ def test_plan_prints_the_prediction_without_running(tmp_path: Path) -> None:
     assert int(report["tree_tokens"]) < int(report["prompt_tokens"])
     assert int(report["predicted_prefill_tokens"]) == int(report["tree_tokens"])
     assert not (tmp_path / "out").exists()
+
+
+def test_too_long_prompts_become_error_rows_and_near_limit_rows_stop_at_it(tmp_path) -> None:
+    long_prompt = "clause " * 80  # far more than 48 tokens with the chat template
+    job = write_job(tmp_path, {"prompt": ["Hi.", long_prompt]},
+                    model={"max_model_len": 48}, sampling={"max_tokens": 40, "ignore_eos": True})
+    proc = run("run", str(job), "--quiet")
+    assert proc.returncode == 3, proc.stderr
+    short, long_ = pq.read_table(tmp_path / "out" / "result.parquet").to_pylist()
+    assert long_["finish_reason"] == "error"
+    assert "max_model_len" in long_["error"] and "48" in long_["error"]
+    # fits, but leaves less room than max_tokens: generates up to the limit, ends with length
+    assert short["finish_reason"] == "length"
+    assert short["prompt_tokens"] + short["completion_tokens"] == 48
+
+
+def test_kv_cache_too_small_for_one_request_is_reported_before_the_run(tmp_path) -> None:
+    job = write_job(tmp_path, {"prompt": ["Summarize the contract in detail."]},
+                    engine={"kv_cache_memory": "8KiB", "page_size": 4})
+    proc = run("run", str(job), "--quiet")
+    assert proc.returncode == 2, proc.stderr
+    assert "engine.kv_cache_memory" in proc.stderr and "needs" in proc.stderr
+    assert not (tmp_path / "out" / "result.parquet").exists()

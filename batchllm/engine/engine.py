@@ -7,7 +7,7 @@ scheduled token, advance the counters, sample, stop, and hand finished rows back
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
@@ -58,9 +58,9 @@ class EngineStats:
     kv_pages_in_use: int = 0
     kv_pages_peak: int = 0
     kv_pages_shared: int = 0
+    kv_pages_shared_peak: int = 0
     waiting: int = 0
     running: int = 0
-    extra: dict = field(default_factory=dict)
 
 
 class Engine:
@@ -103,12 +103,12 @@ class Engine:
         node_logits: dict[int, torch.Tensor] = {}
         # prefixes whose last position's logits rows will sample their first token from
         terminal = set(np.flatnonzero(plan.node_terminal > 0).tolist())
-        items = list(zip(plan.item_kind.tolist(), plan.item_id.tolist()))
+        kinds, ids = plan.item_kind.tolist(), plan.item_id.tolist()
         cursor = 0
         window = self.max_num_seqs + 128
         while True:
-            while cursor < len(items) and len(sched.waiting) < window:
-                sched.add(self._sequence(items[cursor], requests, plan, terminal))
+            while cursor < len(kinds) and len(sched.waiting) < window:
+                sched.add(self._sequence(kinds[cursor], ids[cursor], requests, plan, terminal))
                 cursor += 1
             if not sched.has_work:
                 break
@@ -143,7 +143,9 @@ class Engine:
             stats.preemptions = sched.preemptions
             stats.kv_pages_in_use = pool.num_used
             stats.kv_pages_peak = pool.peak_used
-            stats.waiting = len(sched.waiting) + len(items) - cursor
+            stats.kv_pages_shared = pool.num_shared
+            stats.kv_pages_shared_peak = pool.peak_shared
+            stats.waiting = len(sched.waiting) + len(kinds) - cursor
             stats.running = len(sched.running)
             if on_step is not None:
                 on_step(stats)
@@ -151,8 +153,7 @@ class Engine:
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
 
-    def _sequence(self, item, requests, plan: Plan, terminal: set[int]) -> Sequence:
-        kind, key = item
+    def _sequence(self, kind: int, key: int, requests, plan: Plan, terminal: set[int]) -> Sequence:
         if kind == 0:  # a shared prefix node
             src = requests[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])

@@ -16,6 +16,8 @@ class PagePool:
         self.refs = [0] * num_pages
         self._free = list(range(num_pages - 1, -1, -1))  # a stack: pop() gives the lowest id
         self.peak_used = 0
+        self.num_shared = 0  # pages referenced more than once right now
+        self.peak_shared = 0
 
     @property
     def num_free(self) -> int:
@@ -38,20 +40,22 @@ class PagePool:
         for p in pages:
             assert self.refs[p] > 0, f"page {p} is free and cannot be shared"
             self.refs[p] += 1
+            if self.refs[p] == 2:
+                self.num_shared += 1
+        self.peak_shared = max(self.peak_shared, self.num_shared)
 
     def release(self, pages: list[int]) -> None:
         for p in pages:
             assert self.refs[p] > 0, f"page {p} released more often than referenced"
             self.refs[p] -= 1
-            if self.refs[p] == 0:
+            if self.refs[p] == 1:
+                self.num_shared -= 1
+            elif self.refs[p] == 0:
                 self._free.append(p)
-
-    def num_shared(self) -> int:
-        """Pages referenced more than once right now."""
-        return sum(1 for r in self.refs if r > 1)
 
     def check(self) -> None:
         free = set(self._free)
         assert len(free) == len(self._free), "a page is twice in the free list"
         for p, r in enumerate(self.refs):
             assert (r == 0) == (p in free), f"page {p}: refs {r}, free {p in free}"
+        assert self.num_shared == sum(1 for r in self.refs if r > 1), "shared page count"

@@ -24,31 +24,18 @@ class StepOutput(NamedTuple):
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
 
 
-def _cascade_order(
-    seqs: list[Sequence], counts: list[int]
-) -> tuple[list[int], list[tuple[list[int], int]]]:
+def _cascade_order(seqs: list[Sequence]) -> tuple[list[int], list[tuple[list[int], int]]]:
     """Order the step's sequences so that cascade groups come first, members adjacent.
 
+    A group is >= 2 sequences that borrow the same pages, i.e. sit under the same shared prefix
+    (the deepest one: the questions of one document, not every row under the system prompt).
     Returns the order (indices into seqs) and the groups as (member indices, shared pages).
-    A group is >= 2 sequences whose borrowed pages start alike; it shares their common run.
     """
-    by_first: dict[int, list[int]] = defaultdict(list)
+    by_prefix: dict[tuple[int, ...], list[int]] = defaultdict(list)
     for i, seq in enumerate(seqs):
         if seq.num_borrowed_pages:
-            by_first[seq.pages[0]].append(i)
-    groups = []
-    for members in by_first.values():
-        if len(members) < 2:
-            continue
-        shared = min(seqs[i].num_borrowed_pages for i in members)
-        first = seqs[members[0]].pages
-        for i in members[1:]:
-            pages = seqs[i].pages
-            n = 0
-            while n < shared and pages[n] == first[n]:
-                n += 1
-            shared = n
-        groups.append((members, shared))
+            by_prefix[tuple(seq.pages[: seq.num_borrowed_pages])].append(i)
+    groups = [(members, len(key)) for key, members in by_prefix.items() if len(members) > 1]
     grouped = {i for members, _ in groups for i in members}
     order = [i for members, _ in groups for i in members]
     order += [i for i in range(len(seqs)) if i not in grouped]
@@ -72,7 +59,7 @@ class ModelRunner:
         wants_logits: list[bool],
     ) -> StepOutput:
         ps = self.page_size
-        order, groups = _cascade_order(seqs, counts) if self.cascade else (
+        order, groups = _cascade_order(seqs) if self.cascade else (
             list(range(len(seqs))), [])
         ids, pos, slots = [], [], []
         cu_q, ctx, kv_start, sample_rows, sampled = [0], [], [], [], []
