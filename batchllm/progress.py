@@ -36,7 +36,6 @@ class Progress:
             f"KV {stats.kv_pages_in_use}/{stats.kv_pages_total} pages "
             f"({stats.kv_pages_shared} shared), "
             f"queue {stats.waiting}, preempt {stats.preemptions}",
-            refresh=False,
         )
 
     def close(self) -> None:
