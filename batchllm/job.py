@@ -7,6 +7,7 @@ import json
 import os
 import signal
 import sys
+import threading
 
 import pyarrow.parquet as pq
 
@@ -82,8 +83,11 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     done = _prepare_output(cfg, writer)
     if done == {-1}:
         print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)
-        with open(cfg.output.path + ".metrics.json") as f:
-            return json.load(f)
+        try:
+            with open(cfg.output.path + ".metrics.json") as f:
+                return json.load(f)
+        except OSError:
+            return {"rows": rows.num_rows, "rows_error": 0}
     e = cfg.engine
     llm = LLM(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
               max_model_len=cfg.model.max_model_len, page_size=e.page_size,
@@ -108,20 +112,23 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     def interrupt(signum, frame) -> None:
         raise JobInterrupted(signal.Signals(signum).name)
 
-    previous = {s: signal.signal(s, interrupt) for s in (signal.SIGINT, signal.SIGTERM)}
+    handled = (signal.SIGINT, signal.SIGTERM)
+    main_thread = threading.current_thread() is threading.main_thread()  # signals: main only
+    previous = {s: signal.signal(s, interrupt) for s in handled} if main_thread else {}
     try:
         metrics = llm.run(inputs, on_output, bar.step, skip=done)
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
+        where = job if isinstance(job, (str, os.PathLike)) else "JOB.yaml"
         print(f"\n{stop}: finished rows are saved in {writer.parts_dir}; resume with\n"
-              f"  batchllm run JOB.yaml --set output.mode=resume", file=sys.stderr)
+              f"  batchllm run {where} --set output.mode=resume", file=sys.stderr)
         raise
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
     bar.close()
-    writer.finalize(rows.ids.type, _metadata(cfg, llm), cfg.output.include_prompt,
+    writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
                     cfg.output.include_token_ids, rows.num_rows)
     reasons = pq.read_table(cfg.output.path, columns=["finish_reason"]).column(0).to_pylist()
     errors = reasons.count("error")
@@ -132,7 +139,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     return metrics
 
 
-def _metadata(cfg: JobConfig, llm: LLM) -> dict[str, str]:
+def _metadata(cfg: JobConfig) -> dict[str, str]:
     return {
         "batchllm.job": cfg.name,
         "batchllm.model": cfg.model.path,

@@ -44,16 +44,16 @@ class Progress:
 
 def summary(metrics: dict, output: str) -> str:
     m = metrics
-    return "\n".join([
+    lines = [
         f"batchllm: {m['rows']} rows ({m['rows_ok']} ok, {m['rows_error']} errors) -> {output}",
-        f"  tokens: prompt {m['prompt_tokens']}, prefilled {m['prefill_tokens']} "
-        f"(tree {m['tree_tokens']}, cached {m['cached_tokens']}), completion "
-        f"{m['completion_tokens']}",
-        f"  speed: {m['wall_seconds']:.1f} s, {m['output_tokens_per_s']:.1f} output tok/s, "
-        f"{m['total_tokens_per_s']:.1f} total tok/s",
-        f"  KV cache: {m['kv_pages_total']} pages of {m['page_size']} tokens "
-        f"({m['kv_bytes_per_token']} bytes/token), peak {m['kv_pages_peak']} "
-        f"(shared {m['kv_pages_shared_peak']}), "
-        f"preemptions {m['preemptions']}",
+        (f"  tokens: prompt {m['prompt_tokens']}, prefilled {m['prefill_tokens']} "
+         f"(tree {m['tree_tokens']}, cached {m['cached_tokens']}), completion "
+         f"{m['completion_tokens']}"),
+        (f"  speed: {m['wall_seconds']:.1f} s, {m['output_tokens_per_s']:.1f} output tok/s, "
+         f"{m['total_tokens_per_s']:.1f} total tok/s"),
+        (f"  KV cache: {m['kv_pages_total']} pages of {m['page_size']} tokens "
+         f"({m['kv_bytes_per_token']} bytes/token), peak {m['kv_pages_peak']} "
+         f"(shared {m['kv_pages_shared_peak']}), preemptions {m['preemptions']}"),
         f"  model {m['model']} on {m['device']} ({m['dtype']})",
-    ])
+    ]
+    return "\n".join(lines)

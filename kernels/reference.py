@@ -213,7 +213,7 @@ def _prefix_keys(
 ) -> torch.Tensor:  # [length, Hkv, D]
     """A prefix's keys (or values): a view of the cache when its pages are consecutive (a prefix
     computed in one step usually is), else a gathered copy."""
-    n, ps, hkv, d = cache.shape
+    hkv, d = cache.shape[2], cache.shape[3]
     if pages == list(range(pages[0], pages[0] + len(pages))):
         run = cache[pages[0] : pages[0] + len(pages)]
     else:
