@@ -17,8 +17,9 @@ import time
 
 import numpy as np
 
+from batchllm.plan.arrays import concat_ranges
 from batchllm.plan.planner import make_plan
-from batchllm.plan.tree import PrefixTree, concat_ranges
+from batchllm.plan.tree import PrefixTree
 
 
 def synthetic(rows: int, docs: int, templates: int = 4, seed: int = 0, vocab: int = 49152):

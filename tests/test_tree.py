@@ -10,7 +10,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from batchllm.plan.tree import PrefixTree, RangeMin, concat_ranges, node_depths
+from batchllm.plan.arrays import RangeMin, concat_ranges, node_depths
+from batchllm.plan.tree import PrefixTree
 
 
 def arrays(prompts: list[list[int]]) -> list[np.ndarray]:

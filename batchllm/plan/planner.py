@@ -21,7 +21,8 @@ from dataclasses import dataclass, fields, replace
 
 import numpy as np
 
-from batchllm.plan.tree import PrefixTree, RangeMin, node_depths
+from batchllm.plan.arrays import RangeMin, node_depths
+from batchllm.plan.tree import PrefixTree
 
 ORDERS = ("prefix-tree", "input")
 PREFIX, ROW = 0, 1  # item_kind values

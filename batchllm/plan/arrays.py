@@ -1,0 +1,73 @@
+"""Vectorized array helpers of the planner: range minimum / nearest smaller element, node depths
+from parent ids, concatenated ranges. numpy only; no Python loop per element."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+class RangeMin:
+    """Sparse table over a 1-D integer array: range minimum and nearest smaller element."""
+
+    def __init__(self, values: np.ndarray) -> None:
+        self.size = len(values)
+        self.levels = [np.asarray(values)]  # levels[t][i] = min(values[i : i + 2**t])
+        step = 1
+        while 2 * step <= self.size:
+            prev = self.levels[-1]
+            self.levels.append(np.minimum(prev[:-step], prev[step:]))
+            step *= 2
+
+    def range_min(self, lo: np.ndarray, hi: np.ndarray) -> np.ndarray:
+        """min(values[lo:hi]) for each pair (requires lo < hi)."""
+        lo, hi = np.asarray(lo, np.int64), np.asarray(hi, np.int64)
+        t = np.frexp((hi - lo).astype(np.float64))[1] - 1  # floor(log2(hi - lo)), exact
+        out = np.empty(len(lo), self.levels[0].dtype)
+        for level in np.unique(t):
+            m = t == level
+            table = self.levels[level]
+            out[m] = np.minimum(table[lo[m]], table[hi[m] - (1 << int(level))])
+        return out
+
+    def prev_smaller(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """For each query, the largest j < k with values[j] < v, or -1."""
+        cur = np.asarray(k, np.int64).copy()  # invariant: values[cur:k] >= v
+        for t in range(len(self.levels) - 1, -1, -1):
+            step = 1 << t
+            ok = cur >= step
+            jump = ok & (self.levels[t][np.where(ok, cur - step, 0)] >= v)
+            cur -= jump * step
+        return cur - 1
+
+    def next_smaller(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
+        """For each query, the smallest j > k with values[j] < v, or len(values)."""
+        cur = np.asarray(k, np.int64) + 1  # invariant: values[k + 1:cur] >= v
+        for t in range(len(self.levels) - 1, -1, -1):
+            step = 1 << t
+            ok = cur + step <= self.size
+            jump = ok & (self.levels[t][np.where(ok, cur, 0)] >= v)
+            cur += jump * step
+        return cur
+
+
+def node_depths(parent: np.ndarray) -> np.ndarray:
+    """Depth of each node of a forest given parent ids (-1 for a root, depth 0), by pointer
+    jumping: O(n log depth), no Python loop per node."""
+    jump = np.asarray(parent, np.int64).copy()
+    depth = (jump >= 0).astype(np.int64)
+    while True:
+        has = np.flatnonzero(jump >= 0)
+        has = has[jump[has] >= 0]
+        if not len(has):
+            return depth
+        up = jump[has]
+        depth[has] += depth[up]
+        jump[has] = jump[up]
+
+
+def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
+    """np.concatenate([arange(s, s + n) for s, n in zip(starts, lens)]), vectorized (int64)."""
+    lens = np.asarray(lens, np.int64)
+    total = int(lens.sum())
+    shift = np.asarray(starts, np.int64) - (np.cumsum(lens) - lens)
+    return np.repeat(shift, lens) + np.arange(total, dtype=np.int64)
