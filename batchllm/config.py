@@ -9,16 +9,30 @@ same messages. Every message starts with the field's path, e.g.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import importlib.util
-import math
 import os
-import re
 from dataclasses import MISSING, dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
 import yaml
+
+from batchllm.config_checks import (
+    _Bad,
+    _boolean,
+    _did_you_mean,
+    _file_path,
+    _kv_memory,
+    _non_negative_int,
+    _number,
+    _one_of,
+    _optional,
+    _positive_int,
+    _show,
+    _stop,
+    _string,
+)
+from batchllm.config_checks import parse_size as parse_size  # noqa: PLC0414 - re-exported: part of the API
 
 
 class ConfigError(Exception):
@@ -30,115 +44,6 @@ class ConfigError(Exception):
     def __init__(self, *errors: str) -> None:
         self.errors = list(errors)
         super().__init__("\n".join(errors))
-
-
-class _Bad(Exception):
-    """Raised by a field check; the caller adds the field path."""
-
-
-def _show(value: Any) -> str:
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
-
-
-def _did_you_mean(word: Any, choices: list[str]) -> str:
-    close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
-    return f"did you mean {close[0]}?" if close else "expected one of: " + ", ".join(choices)
-
-
-# ---- field checks: value -> normalized value, or raise _Bad("expected ..., got ...") ----------
-
-def _positive_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _Bad(f"expected a positive integer, got {_show(v)}")
-    return v
-
-
-def _non_negative_int(v: Any) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise _Bad(f"expected an integer >= 0, got {_show(v)}")
-    return v
-
-
-def _optional(check):
-    return lambda v: None if v is None else check(v)
-
-
-def _boolean(v: Any) -> bool:
-    if not isinstance(v, bool):
-        raise _Bad(f"expected true or false, got {_show(v)}")
-    return v
-
-
-def _string(v: Any) -> str:
-    if not isinstance(v, str) or not v:
-        raise _Bad(f"expected a non-empty string, got {_show(v)}")
-    return v
-
-
-def _file_path(v: Any) -> str:
-    if isinstance(v, os.PathLike):
-        v = os.fspath(v)
-    return os.path.expanduser(_string(v))
-
-
-def _number(v: Any, what: str, ok) -> float:
-    try:
-        good = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
-    except OverflowError:
-        good = False
-    if not good or not ok(v):
-        raise _Bad(f"expected {what}, got {_show(v)}")
-    return float(v)
-
-
-def _one_of(*choices: str, hints: dict[str, str] | None = None):
-    """A check for an enum; hints map common wrong words to the right one (gpu -> cuda)."""
-    def check(v: Any) -> str:
-        if v in choices:
-            return v
-        hint = _did_you_mean(v, list(choices)) if isinstance(v, str) else ""
-        if isinstance(v, str) and hints and v.lower() in hints:
-            hint = f"did you mean {hints[v.lower()]}?"
-        raise _Bad(f"expected one of {', '.join(choices)}, got {_show(v)}"
-                   + (f"; {hint}" if hint.startswith("did") else ""))
-    return check
-
-
-def _stop(v: Any) -> tuple[str, ...]:
-    v = [v] if isinstance(v, str) else () if v is None else v
-    if not isinstance(v, (list, tuple)) or not all(
-            isinstance(s, str) and s for s in v):
-        raise _Bad(f"expected a list of non-empty strings, got {_show(v)}")
-    return tuple(v)
-
-
-_UNITS = {"": 1, "b": 1, "k": 2**10, "m": 2**20, "g": 2**30, "t": 2**40,
-          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "ki": 2**10, "mi": 2**20,
-          "gi": 2**30, "ti": 2**40, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12}
-
-
-def parse_size(text: str) -> int:
-    """Bytes in a size such as "4GiB", "512MiB", "1.5GB" or "1024"; ValueError if not one.
-
-    KiB/MiB/GiB/TiB (and K/M/G/T, Ki/Mi/Gi/Ti) are powers of 1024; KB/MB/GB/TB powers of 1000.
-    """
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", str(text))
-    unit = m and _UNITS.get(m.group(2).lower())
-    size = float(m.group(1)) * unit if unit else 0.0
-    if not math.isfinite(size) or size < 1:
-        raise ValueError(f"not a size such as '4GiB' or '512MiB': {text!r}")
-    return int(size)
-
-
-def _kv_memory(v: Any) -> float | str:
-    if isinstance(v, str):
-        try:
-            parse_size(v)
-        except ValueError:
-            raise _Bad(f"expected a fraction in (0, 1] or a size such as '4GiB', got {_show(v)}")
-        return v.strip()
-    return _number(v, "a fraction in (0, 1] or a size such as '4GiB'", lambda x: 0 < x <= 1)
 
 
 def _spec(check, default: Any = MISSING, **kw) -> Any:
