@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from batchllm.engine.cpu_allocator import keep_freed_memory
 from batchllm.engine.engine import Engine, EngineRequest, EngineStats, RowResult
 from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
 from batchllm.engine.sampler import row_key
@@ -60,6 +61,7 @@ class LLM:
         order: str = "prefix-tree",
     ) -> None:
         """kv_cache_memory: a fraction of free memory, or a size in bytes."""
+        keep_freed_memory()  # before loading starts threads: they would take arenas of their own
         self.loaded = load_model(model, dtype, device, max_model_len)
         self.tokenizer = self.loaded.tokenizer
         self.max_model_len = self.loaded.max_model_len

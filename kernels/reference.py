@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import torch
 
-_QUERY_BLOCK = 256  # query rows per product for long chunks, bounds the score matrix
-_DECODE_BUCKET = 64  # one-query sequences padded together
+from kernels.step_index import StepIndex, index_step
+
+_QUERY_BLOCK = 256  # query rows per product off the CPU, bounds the score matrix
 
 
 def store_kv_ref(
@@ -56,55 +57,84 @@ def _attend(
     return o, lse
 
 
+def _attend_rows(
+    q: torch.Tensor,  # [N, Hq, D]
+    k: torch.Tensor,  # [1, Hkv, Tk, D]
+    v: torch.Tensor,  # [1, Hkv, Tk, D]
+    causal: tuple[torch.Tensor, torch.Tensor] | None,  # (query positions [N], key positions [Tk])
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # o [N, Hq, D], lse [N, Hq] fp32
+    """N queries of one sequence (or one group) against the same keys. With `causal`, a query sees
+    the keys at positions <= its own (none: o = 0, lse = -inf). On the CPU this is torch's fused
+    flash-attention kernel (no score matrix, upper blocks skipped: 2.5x faster than the products
+    on a 440-token prompt); elsewhere products in blocks of query rows."""
+    n, hq = q.shape[0], q.shape[1]
+    hkv, tk = k.shape[1], k.shape[2]
+    if q.device.type == "cpu":
+        kh = k.repeat_interleave(hq // hkv, dim=1)  # [1, Hq, Tk, D]
+        vh = v.repeat_interleave(hq // hkv, dim=1)
+        square = causal is not None and n == tk and int(causal[0][0]) == int(causal[1][0])
+        bias, blind = None, None
+        if causal is not None and not square:
+            visible = causal[1][None, :] <= causal[0][:, None]  # [N, Tk]
+            blind = ~visible.any(dim=1)  # [N] queries before the first key: empty rows
+            visible |= blind[:, None]  # kept finite here, emptied below
+            bias = torch.zeros(n, tk, dtype=q.dtype).masked_fill_(~visible, float("-inf"))
+            bias = bias[None, None]
+        o, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            q.transpose(0, 1)[None], kh, vh, 0.0, square, attn_mask=bias, scale=scale
+        )  # o [1, Hq, N, D], lse [1, Hq, N]
+        o, lse = o[0].transpose(0, 1), lse[0].transpose(0, 1).float()
+        if blind is not None and bool(blind.any()):
+            o = o.masked_fill(blind[:, None, None], 0.0)
+            lse = lse.masked_fill(blind[:, None], float("-inf"))
+        return o, lse
+    o = q.new_empty(q.shape)
+    lse = torch.empty(n, hq, dtype=torch.float32, device=q.device)
+    for lo in range(0, n, _QUERY_BLOCK):
+        hi = min(n, lo + _QUERY_BLOCK)
+        mask = None
+        if causal is not None:
+            mask = (causal[1][None, :] <= causal[0][lo:hi, None])[None]  # [1, Tq, Tk]
+        ob, lb = _attend(q[None, lo:hi], k, v, mask, scale)
+        o[lo:hi], lse[lo:hi] = ob[0], lb[0]
+    return o, lse
+
+
 def _attend_one_query(
     q: torch.Tensor,  # [B, Hq, D]
-    k: torch.Tensor,  # [B, Tk, Hkv, D]
-    v: torch.Tensor,  # [B, Tk, Hkv, D]
-    visible: torch.Tensor,  # [B, Tk] bool
+    k: torch.Tensor,  # [B, Hkv, Tk, D]
+    v: torch.Tensor,  # [B, Hkv, Tk, D]
+    bias: torch.Tensor,  # [B, 1, 1, Tk] fp32, 0 where visible, -inf elsewhere
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [B, Hq, D], lse [B, Hq] fp32
-    """One query per sequence. Scores per KV head (K made heads-first), values by one product
-    per sequence with the probabilities as [Hq, Tk], keeping the diagonal blocks (the query
-    heads of KV head h against h's values): V is read in place."""
+    """One query per sequence: the G query heads of KV head h against h's keys in one product
+    per (sequence, KV head)."""
     b, hq, d = q.shape
-    tk, hkv = k.shape[1], k.shape[2]
-    g = hq // hkv
-    qt = (q * scale).view(b, hkv, g, d).transpose(-1, -2)  # [B, Hkv, D, G]
-    s = torch.matmul(_heads_first(k), qt).float()  # [B, Hkv, Tk, G]
-    s.masked_fill_(~visible[:, None, :, None], float("-inf"))
-    m = s.amax(dim=2, keepdim=True)  # [B, Hkv, 1, G]
-    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)
+    hkv = k.shape[1]
+    qg = (q * scale).view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
+    s = torch.matmul(qg, k.transpose(-1, -2)).float().add_(bias)  # [B, Hkv, G, Tk]
+    m = s.amax(dim=-1, keepdim=True)  # [B, Hkv, G, 1]
+    m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a sequence with no visible key
     p = s.sub_(m).exp_()
-    total = p.sum(dim=2).reshape(b, hq)  # [B, Hq]
-    probs = p.permute(0, 1, 3, 2).reshape(b, hq, tk)  # [B, Hq, Tk]
-    o_all = torch.bmm(probs.to(v.dtype), v.reshape(b, tk, hkv * d))  # [B, Hq, Hkv*D]
-    o = torch.diagonal(o_all.view(b, hkv, g, hkv, d), dim1=1, dim2=3)  # [B, G, D, Hkv]
-    o = o.permute(0, 3, 1, 2).reshape(b, hq, d)
-    o = o / torch.where(total > 0, total, torch.ones_like(total))[..., None].to(o.dtype)
-    return o, m.reshape(b, hq) + torch.log(total)
+    total = p.sum(dim=-1, keepdim=True)
+    o = torch.matmul(p.to(v.dtype), v)  # [B, Hkv, G, D]
+    o = o / torch.where(total > 0, total, torch.ones_like(total)).to(o.dtype)
+    return o.view(b, hq, d), (m + torch.log(total)).view(b, hq)
 
 
-def _gather(
-    cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    slots: torch.Tensor,  # [B, Tk] int64
-) -> torch.Tensor:  # [B, Tk, Hkv, D]
-    hkv, d = cache.shape[2], cache.shape[3]
-    rows = cache.view(-1, hkv, d).index_select(0, slots.reshape(-1))  # index_select: fast path
-    return rows.view(*slots.shape, hkv, d)
+def _gather_heads_first(
+    cache: torch.Tensor,  # [num_pages, page_size, Hkv, D], contiguous
+    rows: torch.Tensor,  # [B * Hkv * Tk] int64, from kernels.step_index
+    shape: tuple[int, int, int],  # (B, Hkv, Tk)
+) -> torch.Tensor:  # [B, Hkv, Tk, D]
+    d = cache.shape[-1]
+    return cache.view(-1, d).index_select(0, rows).view(*shape, d)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    """[B, Tk, Hkv, D] -> [B, Hkv, Tk, D], contiguous."""
-    return x.permute(0, 2, 1, 3).contiguous()
-
-
-def _slots(
-    page_table: torch.Tensor,  # [B, max_pages]
-    positions: torch.Tensor,  # [B, Tk] int64, valid positions
-    page_size: int,
-) -> torch.Tensor:  # [B, Tk] int64
-    pages = torch.gather(page_table.long(), 1, positions // page_size)
-    return pages * page_size + positions % page_size
+    """[B, Tk, Hkv, D] -> [B, Hkv, Tk, D], a view."""
+    return x.permute(0, 2, 1, 3)
 
 
 def paged_attention_ref(
@@ -116,64 +146,34 @@ def paged_attention_ref(
     context_lens: torch.Tensor,  # [B] int32, tokens in the cache after this step
     kv_start: torch.Tensor,  # [B] int32, first key position of this part
     scale: float,
+    step: StepIndex | None = None,  # index_step(...) of these arguments, shared by all layers
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
     The query at position p of sequence b sees keys at positions kv_start[b] <= j <= p, where the
     sequence's queries hold its last q_len positions before context_lens[b]. Decodes (one query)
-    run as one padded batch; longer chunks one by one, in blocks of query rows.
+    run as padded batches of similar lengths; longer chunks one by one.
     """
     t, hq, d = q.shape
-    page_size = k_cache.shape[1]
+    hkv = k_cache.shape[2]
     o = q.new_zeros(t, hq, d)
     lse = torch.full((t, hq), float("-inf"), dtype=torch.float32, device=q.device)
     if t == 0:
         return o, lse
-    cu = cu_q.tolist()
-    ctx = context_lens.tolist()
-    start = kv_start.tolist()
-    decodes = sorted((b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1),
-                     key=lambda b: ctx[b] - start[b])
-    for lo in range(0, len(decodes), _DECODE_BUCKET):  # similar lengths: little padding
-        bucket = decodes[lo : lo + _DECODE_BUCKET]
-        _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, bucket, scale, o, lse)
-    for b in range(len(ctx)):
-        n = cu[b + 1] - cu[b]
-        if n <= 1:
-            continue
-        keys = torch.arange(start[b], ctx[b], device=q.device)  # [Tk]
-        slots = _slots(page_table[b : b + 1], keys[None], page_size)  # [1, Tk]
-        k = _heads_first(_gather(k_cache, slots))  # [1, Hkv, Tk, D]
-        v = _heads_first(_gather(v_cache, slots))
-        first = ctx[b] - n
-        for lo in range(0, n, _QUERY_BLOCK):
-            hi = min(n, lo + _QUERY_BLOCK)
-            qpos = torch.arange(first + lo, first + hi, device=q.device)  # [Tq]
-            mask = keys[None, :] <= qpos[:, None]  # [Tq, Tk]
-            ob, lb = _attend(q[None, cu[b] + lo : cu[b] + hi], k, v, mask[None], scale)
-            o[cu[b] + lo : cu[b] + hi] = ob[0]
-            lse[cu[b] + lo : cu[b] + hi] = lb[0]
+    if step is None:
+        step = index_step(page_table, cu_q, context_lens, kv_start, k_cache.shape[1], hkv)
+    for bucket in step.decodes:
+        k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape)  # [B, Hkv, Tk, D]
+        v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape)
+        ob, lb = _attend_one_query(q[bucket.rows], k, v, bucket.bias, scale)
+        o[bucket.rows], lse[bucket.rows] = ob, lb
+    for chunk in step.chunks:
+        shape = (1, hkv, chunk.key_pos.shape[0])
+        k = _gather_heads_first(k_cache, chunk.kv_rows, shape)  # [1, Hkv, Tk, D]
+        v = _gather_heads_first(v_cache, chunk.kv_rows, shape)
+        causal = (chunk.query_pos, chunk.key_pos)
+        o[chunk.rows], lse[chunk.rows] = _attend_rows(q[chunk.rows], k, v, causal, scale)
     return o, lse
-
-
-def _decode_batch(q, k_cache, v_cache, page_table, cu, ctx, start, seqs, scale, o, lse) -> None:
-    """One-query sequences as one padded batch; writes into o and lse in place."""
-    page_size = k_cache.shape[1]
-    dev = q.device
-    rows = torch.tensor([cu[b] for b in seqs], device=dev)  # [B]
-    first = torch.tensor([start[b] for b in seqs], device=dev)  # [B]
-    length = torch.tensor([ctx[b] - start[b] for b in seqs], device=dev)  # [B]
-    tk = max(1, int(length.max()))
-    offs = torch.arange(tk, device=dev)
-    visible = offs[None, :] < length[:, None]  # [B, Tk]
-    positions = torch.where(visible, first[:, None] + offs[None, :], 0)
-    table = page_table[torch.tensor(seqs, device=dev)]
-    slots = _slots(table, positions, page_size)  # [B, Tk]
-    k = _gather(k_cache, slots)  # [B, Tk, Hkv, D]
-    v = _gather(v_cache, slots)
-    ob, lb = _attend_one_query(q[rows], k, v, visible, scale)
-    o[rows] = ob
-    lse[rows] = lb
 
 
 def prefix_attention_ref(
@@ -198,11 +198,9 @@ def prefix_attention_ref(
         pages = prefix_pages[g, : -(-plen // page_size)].tolist()
         k = _heads_first(_prefix_keys(k_cache, pages, plen)[None])  # [1, Hkv, P, D]
         v = _heads_first(_prefix_keys(v_cache, pages, plen)[None])
-        # All queries of the group go in as one "sequence": one product per KV head.
-        for lo in range(cu[g], cu[g + 1], _QUERY_BLOCK):
-            hi = min(cu[g + 1], lo + _QUERY_BLOCK)
-            ob, lb = _attend(q[None, lo:hi], k, v, None, scale)
-            o[lo:hi], lse[lo:hi] = ob[0], lb[0]
+        # All queries of the group go in as one "sequence": the prefix is read once.
+        rows = slice(cu[g], cu[g + 1])
+        o[rows], lse[rows] = _attend_rows(q[rows], k, v, None, scale)
     return o, lse
 
 

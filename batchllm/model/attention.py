@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from kernels import reference
+from kernels.step_index import StepIndex, index_step
 
 
 @dataclass
@@ -38,6 +39,7 @@ class _Ops:
     paged_attention: Callable
     prefix_attention: Callable
     merge_states: Callable
+    indexes_steps: bool  # the twin: paged_attention takes a StepIndex built once per step
 
 
 def _ops_for(device: torch.device) -> _Ops:
@@ -45,9 +47,9 @@ def _ops_for(device: torch.device) -> _Ops:
         import kernels  # the Triton launchers, only where they can run
 
         return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
-                    kernels.merge_states)
+                    kernels.merge_states, indexes_steps=False)
     return _Ops(reference.store_kv_ref, reference.paged_attention_ref,
-                reference.prefix_attention_ref, reference.merge_states_ref)
+                reference.prefix_attention_ref, reference.merge_states_ref, indexes_steps=True)
 
 
 class PagedAttention:
@@ -70,6 +72,7 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.ops = _ops_for(torch.device(device))
         self.meta: StepMetadata | None = None
+        self._step_index: tuple[StepMetadata, StepIndex] | None = None  # (for which meta, index)
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (all layers): a shared prefix's partial last page into a request's own."""
@@ -88,8 +91,9 @@ class PagedAttention:
         """q: [T, Hq, D] -> o: [T, Hq, D]."""
         m = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
+        extra = {"step": self._index(m)} if self.ops.indexes_steps else {}
         o, lse = self.ops.paged_attention(
-            q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale
+            q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale, **extra
         )
         if m.cascade_rows:
             n = m.cascade_rows
@@ -100,3 +104,11 @@ class PagedAttention:
             merged, _ = self.ops.merge_states(o_pre, lse_pre, o[:n], lse[:n])
             o[:n] = merged
         return o
+
+    def _index(self, m: StepMetadata) -> StepIndex:
+        """The step's gather index, built at the first layer and reused by the others."""
+        if self._step_index is None or self._step_index[0] is not m:
+            _, _, page_size, hkv, _ = self.k_cache.shape
+            index = index_step(m.page_table, m.cu_q, m.context_lens, m.kv_start, page_size, hkv)
+            self._step_index = (m, index)
+        return self._step_index[1]

@@ -142,4 +142,8 @@ class LlamaModel:
             gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
             h = h + F.linear(F.silu(gate) * up, layer.w_down)
         h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
+        if h.device.type == "cpu":
+            # [V, H] @ [H, S]: on the CPU the product streams the large vocabulary matrix over
+            # both threads (measured 1.3-2.5x faster than h @ W^T at 4-64 rows); a [S, V] view.
+            return torch.mm(self.lm_head, h.t()).t().float()
         return F.linear(h, self.lm_head).float()  # [S, V]
