@@ -136,7 +136,9 @@ class Engine:
                 to_sample.append(node_logits[seq.parent])
                 rows.append(seq)
             if rows:
-                self._sample(torch.stack(to_sample), rows, sched, on_result, stats)
+                only_rows = not step.from_prefix and len(rows) == out.logits.shape[0]
+                logits = out.logits if only_rows else torch.stack(to_sample)  # [S, V]
+                self._sample(logits, rows, sched, on_result, stats)
             for node in [n for n in node_logits if n not in sched.prefixes]:
                 del node_logits[node]
             stats.steps += 1

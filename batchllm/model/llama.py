@@ -137,13 +137,13 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin  # [T, Hkv, D]
             attention.store(i, k, v.view(t, hkv, d))
             o = attention.attend(i, q)  # [T, Hq, D]
-            h = h + F.linear(o.reshape(t, hq * d), layer.w_o)
+            h.add_(F.linear(o.reshape(t, hq * d), layer.w_o))  # in place: fewer fresh buffers
             x = self._rms_norm(h, layer.norm_post)
             gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
-            h = h + F.linear(F.silu(gate) * up, layer.w_down)
+            h.add_(F.linear(F.silu(gate, inplace=True).mul_(up), layer.w_down))
         h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
         if h.device.type == "cpu":
             # [V, H] @ [H, S]: on the CPU the product streams the large vocabulary matrix over
-            # both threads (measured 1.3-2.5x faster than h @ W^T at 4-64 rows); a [S, V] view.
-            return torch.mm(self.lm_head, h.t()).t().float()
+            # both threads (measured 1.3-2.5x faster than h @ W^T at 4-16 rows, 1.2x at 64).
+            return torch.mm(self.lm_head, h.t()).t().contiguous().float()
         return F.linear(h, self.lm_head).float()  # [S, V]
