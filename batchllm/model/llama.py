@@ -68,6 +68,19 @@ def _rope_tables(config: PretrainedConfig, max_position: int) -> tuple[torch.Ten
     return emb.cos() * rotary.attention_scaling, emb.sin() * rotary.attention_scaling
 
 
+_CPU_MLP_BYTES = 24 << 20  # under glibc's 32 MiB mmap threshold (see engine/cpu_allocator.py)
+
+
+def _mlp_rows(x: torch.Tensor, w_gate_up: torch.Tensor) -> int:
+    """Rows per MLP block. On the CPU, a long prefill step's [T, 2I] intermediate would be a
+    fresh mapping page-faulted in at every layer (measured: 4x the page faults of the whole run);
+    blocks of at most 24 MiB reuse heap memory and keep the products large (1,900 rows for
+    SmolLM2-135M). Elsewhere one block."""
+    if x.device.type != "cpu":
+        return max(1, x.shape[0])
+    return max(128, _CPU_MLP_BYTES // (w_gate_up.shape[0] * x.element_size()))
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -139,8 +152,11 @@ class LlamaModel:
             o = attention.attend(i, q)  # [T, Hq, D]
             h.add_(F.linear(o.reshape(t, hq * d), layer.w_o))  # in place: fewer fresh buffers
             x = self._rms_norm(h, layer.norm_post)
-            gate, up = F.linear(x, layer.w_gate_up).chunk(2, dim=-1)  # [T, I] each
-            h.add_(F.linear(F.silu(gate, inplace=True).mul_(up), layer.w_down))
+            block = _mlp_rows(x, layer.w_gate_up)
+            for lo in range(0, t, block):  # blocks of rows: bounded intermediate buffers
+                rows = slice(lo, lo + block)
+                gate, up = F.linear(x[rows], layer.w_gate_up).chunk(2, dim=-1)  # [t, I] each
+                h[rows] += F.linear(F.silu(gate, inplace=True).mul_(up), layer.w_down)
         h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
         if h.device.type == "cpu":
             # [V, H] @ [H, S]: on the CPU the product streams the large vocabulary matrix over
