@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError, JobConfig, load_job, parse_size
 from batchllm.llm import LLM, RequestOutput
 from batchllm.progress import Progress, summary
-from batchllm.rows.reader import read_input
+from batchllm.rows.reader import InputRows, read_input
 from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 
@@ -88,26 +88,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
                 return json.load(f)
         except OSError:
             return {"rows": rows.num_rows, "rows_error": 0}
-    e = cfg.engine
-    llm = LLM(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
-              max_model_len=cfg.model.max_model_len, page_size=e.page_size,
-              kv_cache_memory=_kv_memory(e.kv_cache_memory), max_num_seqs=e.max_num_seqs,
-              max_batched_tokens=e.max_batched_tokens, prefix_sharing=e.prefix_sharing,
-              order=cfg.planner.order)
-    # Every row is planned, so that a resumed run makes the same plan; done rows are skipped.
-    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows,
-                                 list(range(rows.num_rows)))
-    ids = rows.ids.to_pylist()
     bar = Progress(rows.num_rows, len(done), enabled=progress)
-
-    def on_output(i: int, out: RequestOutput) -> None:
-        writer.add({
-            "row": i, "id": ids[i], "completion": out.text, "finish_reason": out.finish_reason,
-            "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-            "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompts[i],
-            "token_ids": out.token_ids,
-        })
-        bar.row_done(out)
 
     def interrupt(signum, frame) -> None:
         raise JobInterrupted(signal.Signals(signum).name)
@@ -116,7 +97,12 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     main_thread = threading.current_thread() is threading.main_thread()  # signals: main only
     previous = {s: signal.signal(s, interrupt) for s in handled} if main_thread else {}
     try:
-        metrics = llm.run(inputs, on_output, bar.step, skip=done)
+        if cfg.engine.workers > 1 and len(done) < rows.num_rows:  # else nothing to shard
+            from batchllm.scale.driver import run_sharded  # imports ray
+
+            metrics = run_sharded(cfg, rows, writer, done, bar)
+        else:
+            metrics = _run_local(cfg, rows, writer, done, bar)
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
@@ -139,6 +125,42 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     return metrics
 
 
+def build_llm(cfg: JobConfig) -> LLM:
+    """The engine of a job: the model loaded once, the engine settings of the job file."""
+    e = cfg.engine
+    return LLM(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+               max_model_len=cfg.model.max_model_len, page_size=e.page_size,
+               kv_cache_memory=_kv_memory(e.kv_cache_memory), max_num_seqs=e.max_num_seqs,
+               max_batched_tokens=e.max_batched_tokens, prefix_sharing=e.prefix_sharing,
+               order=cfg.planner.order)
+
+
+def _run_local(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done: set[int],
+               bar: Progress) -> dict:
+    """The single-process path: every row planned (so that a resumed run makes the same plan),
+    the rows in `done` skipped."""
+    llm = build_llm(cfg)
+    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows,
+                                 list(range(rows.num_rows)))
+    ids = rows.ids.to_pylist()
+
+    def on_output(i: int, out: RequestOutput) -> None:
+        writer.add(output_row(i, ids[i], prompts[i], out))
+        bar.row_done(out)
+
+    return llm.run(inputs, on_output, bar.step, skip=done)
+
+
+def output_row(i: int, row_id: object, prompt: str | None, out: RequestOutput) -> dict:
+    """One finished row as CheckpointWriter.add takes it."""
+    return {
+        "row": i, "id": row_id, "completion": out.text, "finish_reason": out.finish_reason,
+        "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
+        "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompt,
+        "token_ids": out.token_ids,
+    }
+
+
 def _metadata(cfg: JobConfig) -> dict[str, str]:
     return {
         "batchllm.job": cfg.name,
@@ -147,4 +169,4 @@ def _metadata(cfg: JobConfig) -> dict[str, str]:
     }
 
 
-__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "run_job"]
+__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "build_llm", "output_row", "run_job"]

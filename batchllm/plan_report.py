@@ -1,14 +1,14 @@
-"""`batchllm plan`: what a run would do, from the tokenized input and the prefix tree alone."""
+"""`batchllm plan`: what a run would do, from the tokenized input and the prefix tree alone.
+With engine.workers > 1 it also shows the shards (planning is local: no Ray needed)."""
 
 from __future__ import annotations
 
-import numpy as np
-
 from batchllm.config import load_job
 from batchllm.model.weights import load_tokenizer, resolve_model
-from batchllm.plan.planner import make_plan
 from batchllm.rows.reader import read_input
 from batchllm.rows.requests import build_rows
+from batchllm.scale.assign import describe, plan_rows
+from batchllm.scale.assign import shard_job as _shard_job
 
 
 def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
@@ -16,15 +16,13 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     rows = read_input(cfg.input)
     tokenizer = load_tokenizer(resolve_model(cfg.model.path))
     inputs, _ = build_rows(tokenizer, cfg.input, cfg.sampling, rows, list(range(rows.num_rows)))
-    good = [r for r in inputs if r.error is None and r.sampling.problem() is None]
-    plan = make_plan(
-        [r.prompt_ids for r in good],
-        np.asarray([r.sampling.max_tokens for r in good], dtype=np.int32),
-        prefix_sharing=cfg.engine.prefix_sharing,
-        order=cfg.planner.order,
-    )
+    if cfg.engine.workers > 1:
+        sharded = _shard_job(inputs, cfg, cfg.engine.workers)
+        plan, good = sharded.plan, sharded.planned
+    else:
+        plan, good = plan_rows(inputs, cfg)
     s = plan.stats()
-    return {
+    report: dict[str, object] = {
         "job": cfg.name,
         "rows": rows.num_rows,
         "rows_with_errors": rows.num_rows - len(good),
@@ -38,3 +36,6 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
             cfg.engine.page_size, cfg.engine.max_num_seqs),
         "page_size": cfg.engine.page_size,
     }
+    if cfg.engine.workers > 1:
+        report.update(describe(sharded))
+    return report

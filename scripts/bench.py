@@ -1,4 +1,4 @@
-"""Benchmark: batchllm against transformers baselines, same model, data and machine, one process.
+"""Benchmark: batchllm against transformers baselines, same model, data and machine, one run.
 
     python scripts/bench.py                       # the contract workload (64 chat prompts)
     python scripts/bench.py --rows 8 --skip-hf    # quick run
@@ -8,7 +8,8 @@ Settings: hf-static (transformers `generate`, batches of 8, left padding: the se
 batching), hf-continuous (transformers' own continuous batching, where installed), batchllm with
 prefix sharing on and off. All greedy, end-of-sequence ignored, so every row yields exactly its
 max_tokens. Timed: generation only (model loading and tokenization for the baselines excluded;
-batchllm's generate includes its planning).
+batchllm's generate includes its planning). Each setting runs in a fresh process, one after the
+other, so that none inherits another's heap or threads (--in-process: all in this one).
 
 Figures are only meaningful on an otherwise idle machine: with other processes on the cores,
 torch's OpenMP threads spin-wait and a 2-thread run can get 3-5x slower (the script warns when the
@@ -220,6 +221,35 @@ def table(results: list[dict]) -> str:
     return "\n".join(fmt.format(*x).rstrip() for x in [head, *lines])
 
 
+SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing")
+
+
+def isolated(args: argparse.Namespace) -> None:
+    """Each setting in its own process, one after the other (same machine, same data): no setting
+    inherits another's heap, threads or caches. Prints one table of all of them."""
+    skipped = {"hf-static": args.skip_hf or args.skip_hf_static,
+               "hf-continuous": args.skip_hf or args.skip_hf_continuous,
+               "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm}
+    child_args = [a for a in sys.argv[1:] if not a.startswith("--json=")]
+    if "--json" in child_args:
+        i = child_args.index("--json")
+        del child_args[i : i + 2]
+    results, env = [], {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in (n for n in SETTINGS if not skipped[n]):
+            out = Path(tmp) / f"{name}.json"
+            subprocess.run([sys.executable, __file__, *child_args, "--only", name, "--json",
+                            str(out)], check=True)
+            data = json.loads(out.read_text())
+            results += data["results"]
+            env = data["env"]
+    print(table(results))
+    if args.json:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        env["isolated"] = True
+        args.json.write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--workload", type=Path, help="Parquet: id, messages|prompt, max_tokens")
@@ -235,7 +265,12 @@ def main() -> None:
     ap.add_argument("--skip-hf-continuous", action="store_true")
     ap.add_argument("--skip-batchllm", action="store_true")
     ap.add_argument("--json", type=Path, help="also write the results here")
+    ap.add_argument("--in-process", action="store_true",
+                    help="run every setting in this process (default: each in a fresh one)")
+    ap.add_argument("--only", help=argparse.SUPPRESS)  # the one setting a child process runs
     args = ap.parse_args()
+    if not args.in_process and args.only is None:
+        return isolated(args)
     if args.threads:
         torch.set_num_threads(args.threads)
 
@@ -277,6 +312,8 @@ def main() -> None:
             name = "batchllm-sharing" if sharing else "batchllm-no-sharing"
             runs.append((name, lambda s=settings: run_batchllm(s)))
 
+    if args.only is not None:
+        runs = [(name, fn) for name, fn in runs if name == args.only]
     results = []
     for name, fn in runs:
         print(f"running {name} ...", file=sys.stderr, flush=True)
@@ -293,7 +330,8 @@ def main() -> None:
         results.append(r)
         print(f"  {name}: {r.get('wall_s', float('nan')):.1f} s {r.get('note', '')}",
               file=sys.stderr, flush=True)
-    print(table(results))
+    if args.only is None:
+        print(table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
         env = {"rows": len(rows), "prompt_tokens": prompt_tokens, "device": args.device,

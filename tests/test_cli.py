@@ -36,7 +36,8 @@ def write_job(tmp: Path, rows: dict, **sections) -> Path:
 
 def run(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
-    return subprocess.run([BATCHLLM, *args], capture_output=True, text=True, env=env, timeout=600)
+    return subprocess.run([BATCHLLM, *args], capture_output=True, text=True, env=env,
+                          timeout=600, check=False)
 
 
 PROMPTS = ["Summarize the contract.", "Who pays?", "What law governs it?",

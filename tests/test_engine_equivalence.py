@@ -44,6 +44,9 @@ def reference(kind: str) -> list[tuple[list[int], list[float]]]:
 
 @functools.cache
 def engine(kind: str, **settings) -> LLM:
+    # Engines stay cached for the session: a 256 MiB pool each (plenty for these tiny models)
+    # keeps the process small enough to fork (Ray's tests start processes later).
+    settings.setdefault("kv_cache_memory", 256 << 20)
     return LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu", **settings)
 
 

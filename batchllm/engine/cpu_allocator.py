@@ -4,15 +4,16 @@ Every step allocates tensors of the same few sizes (gathered keys, activations) 
 glibc serves blocks above its mmap threshold with fresh mappings and hands freed memory at the
 top of the heap back to the OS, so the next step page-faults it all in again (24 rows of the
 contract workload without sharing: 2.0 M page faults before, 1.6 M after; with the MLP in
-blocks under the threshold, model/llama.py, 0.4 M). PyTorch's CPU guides preload jemalloc or tcmalloc
-for this; batchllm sets glibc's thresholds instead, which needs nothing installed, and one
-arena for all threads (the compute threads' own arenas give memory back on their own terms).
+blocks under the threshold, model/llama.py, 0.4 M). PyTorch's CPU guides preload jemalloc or
+tcmalloc for this; batchllm sets glibc's thresholds instead, which needs nothing installed, and
+one arena for all threads (the compute threads' own arenas give memory back on their own terms).
 """
 
 from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import os
 import sys
 
 _M_TRIM_THRESHOLD = -1
@@ -23,8 +24,9 @@ TRIM_THRESHOLD = 1 << 30  # free heap top kept up to this much
 
 
 def keep_freed_memory() -> bool:
-    """Raise glibc's mmap and trim thresholds, one arena; False where the libc is not glibc."""
-    if not sys.platform.startswith("linux"):
+    """Raise glibc's mmap and trim thresholds, one arena; False where the libc is not glibc or
+    the environment sets BATCHLLM_KEEP_FREED_MEMORY=0."""
+    if not sys.platform.startswith("linux") or os.environ.get("BATCHLLM_KEEP_FREED_MEMORY") == "0":
         return False
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")

@@ -1,9 +1,11 @@
 """Rows out: checkpoint parts while the job runs, then one final Parquet in input order.
 
-Parts live in "<output>.parts/part-00000.parquet", ...; each holds finished rows with their input
-row index ("row") and, in its key-value metadata, the job's fingerprint as JSON, so a resumed job
-only trusts parts written by the same job. Every file is written to a temporary name, synced, then
-renamed (os.replace): a reader never sees a half-written part, final file or metrics file.
+Parts live in "<output>.parts/part-00000.parquet", ... (with a writer tag, as Ray workers use:
+"part-00000-w1.parquet", so that writers sharing the folder never pick the same name); each holds
+finished rows with their input row index ("row") and, in its key-value metadata, the job's
+fingerprint as JSON, so a resumed job only trusts parts written by the same job. Every file is
+written to a temporary name, synced, then renamed (os.replace): a reader never sees a
+half-written part, final file or metrics file.
 """
 
 from __future__ import annotations
@@ -78,7 +80,11 @@ class CheckpointWriter:
     """
 
     def __init__(self, output_path: str | os.PathLike, fingerprint: dict,
-                 flush_rows: int = 256, flush_seconds: float = 5.0) -> None:
+                 flush_rows: int = 256, flush_seconds: float = 5.0, tag: str = "") -> None:
+        """tag: appended to this writer's part names ("-w1"): letters, digits, '-' and '_'."""
+        if not all(c.isascii() and (c.isalnum() or c in "-_") for c in tag):
+            raise ValueError(f"part tag must be letters, digits, '-' or '_', got {tag!r}")
+        self.tag = tag
         self.output_path = os.fspath(output_path)
         self.parts_dir = self.output_path + ".parts"
         self.fingerprint = fingerprint
@@ -115,7 +121,7 @@ class CheckpointWriter:
         columns["id"] = pa.array([r["id"] for r in rows])
         table = pa.table(columns).replace_schema_metadata(
             {FINGERPRINT_KEY: self._fingerprint_json.encode()})
-        path = os.path.join(self.parts_dir, f"part-{index:05d}.parquet")
+        path = os.path.join(self.parts_dir, f"part-{index:05d}{self.tag}.parquet")
         _write_atomic(path, lambda f: pq.write_table(table, f))
 
     # -- resume ------------------------------------------------------------------------------

@@ -1,0 +1,140 @@
+"""The driver of a sharded job (engine.workers > 1): plan and shard locally, run each shard on
+a Ray actor, restart a worker that dies with the rows it had not flushed, merge the metrics.
+
+The parts the workers write are the single-process checkpoint format, in the same folder
+(tagged per worker), so run_job finalizes and resumes a sharded job exactly like a local one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+
+from batchllm.config import JobConfig
+from batchllm.model.weights import load_tokenizer, resolve_model
+from batchllm.plan.shards import shard_prefill
+from batchllm.progress import Progress
+from batchllm.rows.reader import InputRows
+from batchllm.rows.requests import build_rows
+from batchllm.rows.writer import CheckpointWriter
+from batchllm.scale.assign import JobShards, shard_job
+from batchllm.scale.cluster import connect, start_worker, use_gpus
+from batchllm.scale.merge import WorkerRecord, merge_metrics
+from batchllm.scale.worker import ShardInput
+
+MAX_RESTARTS = 3  # per worker; then the job fails (its finished rows stay in parts: resume)
+
+
+class _PartsWatcher:
+    """Moves the progress bar by the rows of part files that appear (the workers' flushes)."""
+
+    def __init__(self, writer: CheckpointWriter, bar: Progress) -> None:
+        self.dir, self.bar = writer.parts_dir, bar
+        self.seen = set(os.listdir(self.dir)) if os.path.isdir(self.dir) else set()
+
+    def poll(self) -> None:
+        if not os.path.isdir(self.dir):
+            return
+        for name in sorted(set(os.listdir(self.dir)) - self.seen):
+            if name.endswith(".parquet"):
+                try:
+                    self.bar.bar.update(pq.read_metadata(os.path.join(self.dir, name)).num_rows)
+                except OSError:
+                    continue  # renamed away or damaged: look again next time
+            self.seen.add(name)
+
+
+def _shard_input(job: JobShards, k: int, done: set[int], inputs, ids, prompts) -> ShardInput:
+    rows = job.rows[k].tolist()
+    return ShardInput(worker=k, rows=rows, inputs=[inputs[i] for i in rows],
+                      ids=[ids[i] for i in rows], prompts=[prompts[i] for i in rows],
+                      skip=[j for j, i in enumerate(rows) if i in done])
+
+
+def _predicted(job: JobShards, k: int, done: set[int]) -> int:
+    """Predicted prefill tokens of shard k's rows that are not done."""
+    plan_row = np.full(int(job.planned.max(initial=-1)) + 1, -1, np.int64)
+    plan_row[job.planned] = np.arange(len(job.planned))
+    rows = job.rows[k]
+    rows = rows[rows < len(plan_row)]
+    todo = np.array([plan_row[i] for i in rows.tolist() if i not in done and plan_row[i] >= 0],
+                    np.int64)
+    return shard_prefill(job.plan, todo)
+
+
+def _absolute_paths(cfg: JobConfig) -> JobConfig:
+    """The output path, and the model path when it is a local folder, made absolute."""
+    model = cfg.model
+    if os.path.isdir(model.path):
+        model = dataclasses.replace(model, path=os.path.abspath(model.path))
+    output = dataclasses.replace(cfg.output, path=os.path.abspath(cfg.output.path))
+    return dataclasses.replace(cfg, model=model, output=output)
+
+
+def run_sharded(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done: set[int],
+                bar: Progress) -> dict:
+    """Run every row not in `done` on engine.workers Ray actors; their parts land in
+    writer.parts_dir. Returns the merged metrics (run_job finalizes the output)."""
+    import ray
+
+    start = time.perf_counter()
+    tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+    inputs, prompts = build_rows(tokenizer, cfg.input, cfg.sampling, rows,
+                                 list(range(rows.num_rows)))
+    if not cfg.output.include_prompt:
+        prompts = [None] * len(prompts)
+    ids = rows.ids.to_pylist()
+    job = shard_job(inputs, cfg, cfg.engine.workers)
+    cfg = _absolute_paths(cfg)  # workers may start in another directory (a joined cluster)
+    records = [WorkerRecord(k) for k in range(cfg.engine.workers)]
+    actors: dict = {}  # worker -> its running actor
+    pending: dict = {}  # ObjectRef -> worker
+
+    def launch(k: int, now_done: set[int]) -> None:
+        shard = _shard_input(job, k, now_done, inputs, ids, prompts)
+        if len(shard.skip) == len(shard.rows):
+            return  # nothing left to run
+        records[k].predicted_prefill_tokens = _predicted(job, k, now_done)
+        actor = start_worker(cfg, writer.fingerprint, writer.flush_rows, k, records[k].restarts,
+                             gpus)
+        actors[k] = actor
+        pending[actor.run_shard.remote(shard)] = k
+
+    watcher = _PartsWatcher(writer, bar)
+    started = False
+    try:
+        started = connect(cfg)
+        gpus = use_gpus(cfg)
+        for k in range(cfg.engine.workers):
+            launch(k, done)
+        while pending:
+            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
+            watcher.poll()
+            for ref in ready:
+                k = pending.pop(ref)
+                try:
+                    records[k].result = ray.get(ref)
+                    ray.kill(actors.pop(k))  # its GPU goes to a worker still waiting for one
+                except ray.exceptions.RayActorError as died:
+                    if died.actor_init_failed:  # the model did not load: a restart would not
+                        raise RuntimeError(f"worker {k} could not start: {died}") from died
+                    records[k].restarts += 1
+                    if records[k].restarts > MAX_RESTARTS:
+                        raise RuntimeError(f"worker {k} died {records[k].restarts} times; its "
+                                           f"finished rows are in {writer.parts_dir}") from died
+                    now_done = writer.done_rows()
+                    shard = set(job.rows[k].tolist())
+                    records[k].rows_recovered += len((now_done - done) & shard)
+                    done = done | (now_done & shard)
+                    launch(k, done)
+        watcher.poll()
+    finally:
+        for actor in actors.values():
+            ray.kill(actor)
+        if started:
+            ray.shutdown()
+    return merge_metrics(job, records, time.perf_counter() - start)

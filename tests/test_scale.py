@@ -1,0 +1,147 @@
+"""Scale-out on a local Ray instance with 2 CPU workers and a tiny model: the sharded output
+equals the single-process output row for row; each worker's measured prefill equals its shard's
+prediction; no row runs twice; a worker killed mid-shard is restarted with its unflushed rows."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+from hf_reference import tiny_model_folder
+
+from batchllm.config import load_job
+from batchllm.job import fingerprint, run_job
+from batchllm.plan_report import plan_job
+from batchllm.rows.reader import read_input
+from batchllm.rows.writer import CheckpointWriter
+from batchllm.scale.cluster import actor_name
+
+ray = pytest.importorskip("ray")
+
+ROWS = 64
+
+
+def make_job(tmp: Path, name: str, workers: int) -> Path:
+    data = tmp / "in.parquet"
+    if not data.exists():
+        prompts = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
+                   for i in range(ROWS)]
+        pq.write_table(pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": prompts}), data)
+    job = {
+        "name": f"scale-{name}",
+        "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},
+        "input": {"path": str(data)},
+        "output": {"path": str(tmp / name / "out.parquet")},
+        "sampling": {"max_tokens": 12, "temperature": 0.8, "seed": 5},
+        "engine": {"kv_cache_memory": "64MiB", "max_num_seqs": 8, "workers": workers},
+    }
+    path = tmp / f"{name}.yaml"
+    path.write_text(json.dumps(job))
+    return path
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for the module: 4 logical CPUs (2 cores here) for two 0.5-CPU
+    workers and Ray's own tasks; authentication off, as for any local test instance."""
+    old = os.environ.get("RAY_AUTH_MODE")
+    os.environ["RAY_AUTH_MODE"] = "disabled"
+    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    yield
+    ray.shutdown()
+    if old is None:
+        os.environ.pop("RAY_AUTH_MODE", None)
+    else:
+        os.environ["RAY_AUTH_MODE"] = old
+
+
+@pytest.fixture(scope="module")
+def single(tmp_path_factory) -> pa.Table:
+    tmp = tmp_path_factory.mktemp("single")
+    run_job(make_job(tmp, "one", workers=1), progress=False)
+    return pq.read_table(tmp / "one" / "out.parquet")
+
+
+def check_workers(metrics: dict) -> None:
+    """Per worker: measured prefill == predicted; flushed rows of a dead attempt not run again."""
+    per = metrics["per_worker"]
+    assert len(per) == 2 and all(w["rows"] > 0 for w in per)
+    for w in per:
+        assert w["prefill_tokens"] == w["predicted_prefill_tokens"], w
+    # every row ran exactly once in a finished attempt, or was flushed by one that died
+    assert sum(w["rows"] for w in per) + metrics["rows_recovered"] == ROWS
+    assert metrics["prefill_tokens"] == sum(w["prefill_tokens"] for w in per)
+
+
+def test_plan_shows_shards_without_running(tmp_path):
+    report = plan_job(str(make_job(tmp_path, "plan", workers=2)), [])
+    assert report["workers"] == 2
+    rows = [int(report[f"shard {k}"].split()[0].removeprefix("rows=")) for k in (0, 1)]
+    assert sum(rows) == ROWS and min(rows) > 0
+    assert report["duplicated_prefix_tokens"] >= 0
+    assert (report["predicted_prefill_tokens_all_workers"]
+            == report["tree_tokens"] + report["duplicated_prefix_tokens"])
+
+
+def test_two_workers_equal_one_process(tmp_path, single, local_ray):
+    job = make_job(tmp_path, "two", workers=2)
+    metrics = run_job(job, progress=False)
+    out = tmp_path / "two" / "out.parquet"
+    assert pq.read_table(out).equals(single)
+    assert not Path(str(out) + ".parts").exists()
+    assert metrics["workers"] == 2 and metrics["worker_restarts"] == 0
+    assert metrics["rows_recovered"] == 0
+    check_workers(metrics)
+    # no shared prefix split badly: the workers together prefill the tree plus the duplicates
+    assert (metrics["prefill_tokens"]
+            == metrics["tree_tokens"] + metrics["predicted_duplicated_prefix_tokens"])
+    written = json.loads(Path(str(out) + ".metrics.json").read_text())
+    assert written["per_worker"] == metrics["per_worker"]
+
+
+def test_killed_worker_is_restarted_with_its_unflushed_rows(tmp_path, single, local_ray,
+                                                             monkeypatch):
+    monkeypatch.setenv("BATCHLLM_CHECKPOINT_ROWS", "2")
+    job = make_job(tmp_path, "kill", workers=2)
+    out = tmp_path / "kill" / "out.parquet"
+    parts = Path(str(out) + ".parts")
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(run_job(job, progress=False)))
+    thread.start()
+    deadline = time.monotonic() + 120
+    while not list(parts.glob("part-*-w1.parquet")) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    victim = ray.get_actor(actor_name(load_job(str(job)), 1))
+    os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)
+    thread.join(timeout=300)
+    assert result, "the job did not finish"
+    assert pq.read_table(out).equals(single)
+    assert result["worker_restarts"] == 1
+    dead = result["per_worker"][1]
+    assert dead["restarts"] == 1 and 0 < dead["rows_recovered"]
+    check_workers(result)
+
+
+def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
+    """The parts of an earlier, killed run (here: the first rows of the single-process output)
+    are kept; the workers run the other rows only, and the final file is the same."""
+    job = make_job(tmp_path, "resume", workers=2)
+    cfg = load_job(str(job), ["output.mode=resume"])
+    done = list(range(0, ROWS, 3))
+    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, read_input(cfg.input).files))
+    for i in done:
+        writer.add({**single.slice(i, 1).to_pylist()[0], "row": i})
+    writer.flush()
+    metrics = run_job(cfg, progress=False)
+    assert pq.read_table(cfg.output.path).equals(single)
+    assert metrics["rows_resumed"] == len(done)
+    assert sum(w["rows"] for w in metrics["per_worker"]) == ROWS - len(done)
+    for w in metrics["per_worker"]:
+        assert w["prefill_tokens"] == w["predicted_prefill_tokens"], w
