@@ -291,8 +291,9 @@ def main() -> None:
           f"tokens, model {args.model}, device {args.device}, threads {torch.get_num_threads()}",
           file=sys.stderr)
 
+    wanted = {args.only} if args.only is not None else set(SETTINGS)
     runs: list[tuple[str, object]] = []
-    if not args.skip_hf:
+    if not args.skip_hf and wanted & {"hf-static", "hf-continuous"}:
         from transformers import AutoModelForCausalLM
 
         model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(args.device)
@@ -303,7 +304,7 @@ def main() -> None:
         if not args.skip_hf_continuous and hasattr(model, "continuous_batching_context_manager"):
             runs.append(("hf-continuous",
                          lambda: hf_continuous(model, prompts, max_tokens, pad_id)))
-    if not args.skip_batchllm:
+    if not args.skip_batchllm and wanted & {"batchllm-sharing", "batchllm-no-sharing"}:
         for sharing in (True, False):
             settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
                         "prompt_tokens": prompt_tokens,
