@@ -1,5 +1,5 @@
 """`batchllm plan`: what a run would do, from the tokenized input and the prefix tree alone.
-With engine.workers > 1 it also shows the shards (planning is local: no Ray needed)."""
+With engine.workers > 1 it also shows the shards (planning is local: no Ray instance starts)."""
 
 from __future__ import annotations
 
