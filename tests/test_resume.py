@@ -14,29 +14,18 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hf_reference import tiny_model_folder
+from job_files import tiny_job
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 ROWS = 96
 
 
 def make_job(tmp: Path, name: str) -> Path:
-    data = tmp / "in.parquet"
-    if not data.exists():
-        prompts = [f"Contract {i % 7}: the parties agree to terms {i % 3}. Question {i}?"
-                   for i in range(ROWS)]
-        pq.write_table(pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": prompts}), data)
-    job = {
-        "name": "resume-test",
-        "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},
-        "input": {"path": str(data)},
-        "output": {"path": str(tmp / name / "out.parquet")},
-        "sampling": {"max_tokens": 8, "temperature": 0.8, "seed": 3},
-        "engine": {"kv_cache_memory": "64MiB", "max_num_seqs": 4},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(json.dumps(job))
-    return path
+    prompts = [f"Contract {i % 7}: the parties agree to terms {i % 3}. Question {i}?"
+               for i in range(ROWS)]
+    return tiny_job(tmp, name, "resume-test", prompts,
+                    sampling={"max_tokens": 8, "temperature": 0.8, "seed": 3},
+                    engine={"kv_cache_memory": "64MiB", "max_num_seqs": 4})
 
 
 def start(job: Path, *args: str) -> subprocess.Popen:

@@ -14,7 +14,7 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from hf_reference import tiny_model_folder
+from job_files import tiny_job
 
 from batchllm.config import load_job
 from batchllm.job import fingerprint, run_job
@@ -29,22 +29,11 @@ ROWS = 64
 
 
 def make_job(tmp: Path, name: str, workers: int) -> Path:
-    data = tmp / "in.parquet"
-    if not data.exists():
-        prompts = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
-                   for i in range(ROWS)]
-        pq.write_table(pa.table({"id": [f"r{i}" for i in range(ROWS)], "prompt": prompts}), data)
-    job = {
-        "name": f"scale-{name}",
-        "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},
-        "input": {"path": str(data)},
-        "output": {"path": str(tmp / name / "out.parquet")},
-        "sampling": {"max_tokens": 12, "temperature": 0.8, "seed": 5},
-        "engine": {"kv_cache_memory": "64MiB", "max_num_seqs": 8, "workers": workers},
-    }
-    path = tmp / f"{name}.yaml"
-    path.write_text(json.dumps(job))
-    return path
+    prompts = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
+               for i in range(ROWS)]
+    return tiny_job(tmp, name, f"scale-{name}", prompts,
+                    sampling={"max_tokens": 12, "temperature": 0.8, "seed": 5},
+                    engine={"kv_cache_memory": "64MiB", "max_num_seqs": 8, "workers": workers})
 
 
 @pytest.fixture(scope="module")
