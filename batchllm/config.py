@@ -136,6 +136,10 @@ class EngineConfig(_Section):
     prefix_sharing: bool = _spec(_boolean, True)
     workers: int = _spec(_positive_int, 1)
     ray_address: str | None = _spec(_optional(_string), None)
+    # workers > 1: "tree": the driver plans the whole job and cuts the plan; "partition": Ray
+    # tasks tokenize and range-partition the rows, each worker plans its part; "auto": tree up
+    # to 1,000,000 input rows
+    sharding: str = _spec(_one_of("auto", "tree", "partition"), "auto")
 
     def _cross_checks(self) -> list[str]:
         if self.workers > 1 and importlib.util.find_spec("ray") is None:

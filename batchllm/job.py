@@ -14,7 +14,7 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError, JobConfig, load_job, parse_size
 from batchllm.llm import LLM, RequestOutput
 from batchllm.progress import Progress, summary
-from batchllm.rows.reader import InputRows, read_input
+from batchllm.rows.reader import InputIndex, InputRows, count_rows, read_index, read_input
 from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 
@@ -68,6 +68,16 @@ def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
     return set()
 
 
+DRIVER_PLAN_ROWS = 1_000_000  # engine.sharding auto: above this, tasks partition the input
+
+
+def partitioned(cfg: JobConfig) -> bool:
+    """Whether a sharded job's input is partitioned by Ray tasks (the driver reads only ids)."""
+    if cfg.engine.workers == 1 or cfg.engine.sharding == "tree":
+        return False
+    return cfg.engine.sharding == "partition" or count_rows(cfg.input) > DRIVER_PLAN_ROWS
+
+
 def _kv_memory(value: float | str) -> float | int:
     return parse_size(value) if isinstance(value, str) else value
 
@@ -77,7 +87,8 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     """Run a job file (or a loaded config); returns the metrics, also written next to the output.
     Raises ConfigError / JobCannotStart before anything runs when the job cannot start."""
     cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
-    rows = read_input(cfg.input)
+    rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
+        cfg.input)
     writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
                               flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", "256")))
     done = _prepare_output(cfg, writer)
@@ -102,6 +113,8 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
 
             metrics = run_sharded(cfg, rows, writer, done, bar)
         else:
+            if isinstance(rows, InputIndex):  # every row is done already: nothing to shard
+                rows = read_input(cfg.input)
             metrics = _run_local(cfg, rows, writer, done, bar)
     except JobInterrupted as stop:
         writer.flush()

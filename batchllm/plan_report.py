@@ -4,6 +4,7 @@ With engine.workers > 1 it also shows the shards (planning is local: no Ray inst
 from __future__ import annotations
 
 from batchllm.config import load_job
+from batchllm.job import partitioned
 from batchllm.model.weights import load_tokenizer, resolve_model
 from batchllm.rows.reader import read_input
 from batchllm.rows.requests import build_rows
@@ -37,5 +38,8 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
         "page_size": cfg.engine.page_size,
     }
     if cfg.engine.workers > 1:
+        report["sharding"] = ("partition: at run time Ray tasks cut the rows by leading tokens "
+                              "and each worker plans its part; the shards below are the tree "
+                              "cut, for comparison") if partitioned(cfg) else "tree"
         report.update(describe(sharded))
     return report

@@ -5,7 +5,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.config import ConfigError, InputConfig
-from batchllm.rows.reader import input_files, read_input
+from batchllm.rows.reader import input_files, read_block, read_index, read_input
 
 
 def _write(path, **columns):
@@ -172,3 +172,35 @@ def test_legal_data_matches_its_script():
     rows = read_input(InputConfig(path=str(root / "data" / "legal" / "prompts.parquet")))
     assert rows.ids.to_pylist() == ids and rows.prompts == prompts
     assert rows.num_rows == 256 and len(set(prompts)) == 256
+
+
+@pytest.mark.parametrize("id_column", ["id", None])
+def test_blocks_read_back_as_read_input(tmp_path, id_column):
+    """read_index + read_block (engine.sharding: partition) give the rows of read_input: two files
+    of 3 row groups each, blocks of whole row groups."""
+    d = tmp_path / "data"
+    d.mkdir()
+    for f, lo in (("a.parquet", 0), ("b.parquet", 9)):
+        n = 9 if lo == 0 else 7
+        table = pa.table({"id": [f"r{lo + i}" for i in range(n)],
+                          "prompt": [f"p{lo + i}" for i in range(n)],
+                          "max_tokens": pa.array([lo + i if i % 2 else None for i in range(n)],
+                                                 pa.int64())})
+        pq.write_table(table, d / f, row_group_size=3)
+    cfg = InputConfig(path=str(d), id_column=id_column)
+    whole = read_input(cfg)
+    index = read_index(cfg, block_rows=5)
+    assert index.num_rows == 16 and index.ids.equals(whole.ids) and index.files == whole.files
+    assert [(b.first_row, b.num_rows) for b in index.blocks] == [(0, 6), (6, 3), (9, 6), (15, 1)]
+    blocks = [read_block(cfg, b) for b in index.blocks]
+    assert [i for b in blocks for i in b.ids.to_pylist()] == whole.ids.to_pylist()
+    assert [p for b in blocks for p in b.prompts] == whole.prompts
+    assert [m for b in blocks for m in b.overrides["max_tokens"]] == whole.overrides["max_tokens"]
+
+
+def test_index_checks_ids_and_text_column(tmp_path):
+    f = _write(tmp_path / "in.parquet", id=["a", "a"], prompt=["x", "y"])
+    with pytest.raises(ConfigError, match="ids appear more than once"):
+        read_index(InputConfig(path=str(f)))
+    with pytest.raises(ConfigError, match="input.prompt_column.*'text'"):
+        read_index(InputConfig(path=str(f), prompt_column="text", id_column=None))

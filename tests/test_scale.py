@@ -16,8 +16,8 @@ import pyarrow.parquet as pq
 import pytest
 from job_files import tiny_job
 
-from batchllm.config import load_job
-from batchllm.job import fingerprint, run_job
+from batchllm.config import ConfigError, load_job
+from batchllm.job import fingerprint, partitioned, run_job
 from batchllm.plan_report import plan_job
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
@@ -42,7 +42,7 @@ def local_ray():
     workers and Ray's own tasks; authentication off, as for any local test instance."""
     old = os.environ.get("RAY_AUTH_MODE")
     os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(num_cpus=4, include_dashboard=False, log_to_driver=False)
+    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
     if old is None:
@@ -52,10 +52,30 @@ def local_ray():
 
 
 @pytest.fixture(scope="module")
-def single(tmp_path_factory) -> pa.Table:
+def single_run(tmp_path_factory) -> tuple[pa.Table, dict]:
     tmp = tmp_path_factory.mktemp("single")
-    run_job(make_job(tmp, "one", workers=1), progress=False)
-    return pq.read_table(tmp / "one" / "out.parquet")
+    metrics = run_job(make_job(tmp, "one", workers=1), progress=False)
+    return pq.read_table(tmp / "one" / "out.parquet"), metrics
+
+
+@pytest.fixture(scope="module")
+def single(single_run) -> pa.Table:
+    return single_run[0]
+
+
+def split_input(tmp: Path, files: int = 3, bad_column: bool = False) -> Path:
+    """The job's input rows as `files` Parquet files in a folder (one block each); bad_column:
+    the second file's max_tokens column holds strings."""
+    table = pq.read_table(tmp / "in.parquet")
+    folder = tmp / "in_parts"
+    folder.mkdir()
+    size = -(-table.num_rows // files)
+    for f in range(files):
+        piece = table.slice(f * size, size)
+        if bad_column and f == 1:
+            piece = piece.append_column("max_tokens", pa.array(["7"] * piece.num_rows))
+        pq.write_table(piece, folder / f"part-{f}.parquet")
+    return folder
 
 
 def check_workers(metrics: dict) -> None:
@@ -95,19 +115,55 @@ def test_two_workers_equal_one_process(tmp_path, single, local_ray):
     assert written["per_worker"] == metrics["per_worker"]
 
 
+def test_partitioned_two_workers_equal_one_process(tmp_path, single_run, local_ray):
+    """engine.sharding: partition: tasks tokenize 3 blocks and range-partition the rows; each
+    worker plans its part. Same output; the parts' trees minus the tokens cut apart are the
+    single process's tree."""
+    table, one = single_run
+    job = make_job(tmp_path, "part", workers=2)
+    folder = split_input(tmp_path)
+    metrics = run_job(str(job), [f"input.path={folder}", "engine.sharding=partition"],
+                      progress=False)
+    assert pq.read_table(tmp_path / "part" / "out.parquet").equals(table)
+    assert metrics["shards"]["sharding"] == "partition" and metrics["shards"]["blocks"] == 3
+    assert metrics["shards"]["shard_rows"] == [w["rows"] for w in metrics["per_worker"]]
+    check_workers(metrics)
+    assert metrics["tree_tokens"] == one["tree_tokens"]
+    assert (metrics["prefill_tokens"]
+            == metrics["tree_tokens"] + metrics["predicted_duplicated_prefix_tokens"])
+
+
+def test_partition_reports_a_bad_column_of_one_block(tmp_path, local_ray):
+    job = make_job(tmp_path, "badcol", workers=2)
+    folder = split_input(tmp_path, bad_column=True)
+    with pytest.raises(ConfigError, match="max_tokens.*type string"):
+        run_job(str(job), [f"input.path={folder}", "engine.sharding=partition"], progress=False)
+
+
+def test_auto_sharding_partitions_above_the_driver_limit(tmp_path, monkeypatch):
+    cfg = load_job(str(make_job(tmp_path, "auto", workers=2)))
+    assert not partitioned(cfg)
+    monkeypatch.setattr("batchllm.job.DRIVER_PLAN_ROWS", ROWS - 1)
+    assert partitioned(cfg)
+    assert not partitioned(load_job(str(tmp_path / "auto.yaml"), ["engine.sharding=tree"]))
+
+
+@pytest.mark.parametrize("sharding", ["tree", "partition"])
 def test_killed_worker_is_restarted_with_its_unflushed_rows(tmp_path, single, local_ray,
-                                                             monkeypatch):
+                                                             monkeypatch, sharding):
     monkeypatch.setenv("BATCHLLM_CHECKPOINT_ROWS", "2")
     job = make_job(tmp_path, "kill", workers=2)
     out = tmp_path / "kill" / "out.parquet"
     parts = Path(str(out) + ".parts")
     result: dict = {}
-    thread = threading.Thread(target=lambda: result.update(run_job(job, progress=False)))
+    sets = [f"engine.sharding={sharding}"]
+    thread = threading.Thread(target=lambda: result.update(run_job(str(job), sets,
+                                                                   progress=False)))
     thread.start()
     deadline = time.monotonic() + 120
     while not list(parts.glob("part-*-w1.parquet")) and time.monotonic() < deadline:
         time.sleep(0.01)
-    victim = ray.get_actor(actor_name(load_job(str(job)), 1))
+    victim = ray.get_actor(actor_name(load_job(str(job), sets), 1))
     os.kill(ray.get(victim.pid.remote()), signal.SIGKILL)
     thread.join(timeout=300)
     assert result, "the job did not finish"

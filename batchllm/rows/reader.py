@@ -64,11 +64,14 @@ def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigErro
     return ConfigError(f"{field}: column {column!r} not found in {file}{hint}")
 
 
-def _read(file: str, wanted: list[str | None]) -> pa.Table:
+def _read(file: str, wanted: list[str | None], row_groups: list[int] | None = None) -> pa.Table:
     try:
         pf = pq.ParquetFile(file)
         names = pf.schema_arrow.names
-        return pf.read(columns=[c for c in dict.fromkeys(wanted) if c in names])
+        columns = [c for c in dict.fromkeys(wanted) if c in names]
+        if row_groups is not None:
+            return pf.read_row_groups(row_groups, columns=columns)
+        return pf.read(columns=columns)
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
 
@@ -92,14 +95,15 @@ def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict] | None]:
             for row in col.to_pylist()]
 
 
-def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Table]) -> pa.Array:
+def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Table],
+         num_rows: int) -> pa.Array:
     name = cfg.id_column
     having = [name in t.column_names for t in tables] if name else [False]
     if name and not all(having) and (name != "id" or any(having)):
         file = files[having.index(False)]
         raise _missing("input.id_column", name, file, pq.read_schema(file).names)
     if not name or not all(having):
-        return pa.array(range(table.num_rows), pa.int64())
+        return pa.array(range(num_rows), pa.int64())
     ids = table.column(name).combine_chunks()
     if pa.types.is_dictionary(ids.type):
         ids = ids.cast(ids.type.value_type)
@@ -153,23 +157,16 @@ def _override(name: str, col: pa.ChunkedArray) -> list:
     return values
 
 
-def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
-    """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
-    and per-row sampling columns of the wrong type raise ConfigError naming the file or field."""
-    files = input_files(cfg.path)
-    text = cfg.messages_column or cfg.prompt_column
-    field = "input.messages_column" if cfg.messages_column else "input.prompt_column"
-    tables = []
-    for file in files:
-        table = _read(file, [cfg.id_column, text, *sampling_fields])
-        if text not in table.column_names:
-            raise _missing(field, text, file, pq.read_schema(file).names)
-        tables.append(table)
-    try:
-        table = pa.concat_tables(tables, promote_options="permissive")
-    except pa.ArrowException as e:
-        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
-    ids = _ids(table, cfg, files, tables)
+def _text_field(cfg: InputConfig) -> tuple[str, str]:
+    """(the column holding each row's text, the job-file field that names it)"""
+    if cfg.messages_column:
+        return cfg.messages_column, "input.messages_column"
+    return cfg.prompt_column, "input.prompt_column"
+
+
+def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ...],
+          sampling_fields: tuple[str, ...]) -> InputRows:
+    text, field = _text_field(cfg)
     prompts = messages = None
     if cfg.messages_column:
         messages = _messages(table.column(text), text)
@@ -178,4 +175,103 @@ def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIE
     overrides = {name: _override(name, table.column(name))
                  for name in sampling_fields if name in table.column_names and name != text}
     return InputRows(ids=ids, prompts=prompts, messages=messages, overrides=overrides,
-                     num_rows=table.num_rows, files=tuple(files))
+                     num_rows=table.num_rows, files=files)
+
+
+def _read_file(file: str, cfg: InputConfig, sampling_fields: tuple[str, ...],
+               row_groups: list[int] | None = None) -> pa.Table:
+    text, field = _text_field(cfg)
+    table = _read(file, [cfg.id_column, text, *sampling_fields], row_groups)
+    if text not in table.column_names:
+        raise _missing(field, text, file, pq.read_schema(file).names)
+    return table
+
+
+def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
+    """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
+    and per-row sampling columns of the wrong type raise ConfigError naming the file or field."""
+    files = input_files(cfg.path)
+    tables = [_read_file(file, cfg, sampling_fields) for file in files]
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as e:
+        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
+    ids = _ids(table, cfg, files, tables, table.num_rows)
+    return _rows(table, ids, cfg, tuple(files), sampling_fields)
+
+
+BLOCK_ROWS = 65536  # rows of an input block (whole row groups; a file's last block may be short)
+
+
+@dataclass(frozen=True)
+class InputBlock:
+    """Consecutive row groups of one input file: the unit that one task reads."""
+
+    file: str
+    row_groups: tuple[int, ...]
+    first_row: int  # row index (over all files) of the block's first row
+    num_rows: int
+
+
+@dataclass(frozen=True)
+class InputIndex:
+    """The input without its text: ids, row count and blocks (a sharded job's driver reads
+    only this; tasks read the blocks)."""
+
+    ids: pa.Array
+    num_rows: int
+    files: tuple[str, ...]
+    blocks: tuple[InputBlock, ...]
+
+
+def count_rows(cfg: InputConfig) -> int:
+    """The number of input rows, from the files' footers."""
+    return sum(_metadata(f).num_rows for f in input_files(cfg.path))
+
+
+def _metadata(file: str) -> pq.FileMetaData:
+    try:
+        return pq.read_metadata(file)
+    except (OSError, pa.ArrowException) as e:
+        raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
+
+
+def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS) -> InputIndex:
+    """Ids (checked as read_input checks them), row count and blocks of about `block_rows`
+    rows (whole row groups), reading only the id column; the text column must exist."""
+    files = input_files(cfg.path)
+    text, field = _text_field(cfg)
+    tables, blocks, first = [], [], 0
+    for file in files:
+        meta = _metadata(file)
+        names = meta.schema.to_arrow_schema().names
+        if text not in names:
+            raise _missing(field, text, file, names)
+        tables.append(_read(file, [cfg.id_column]))
+        group: list[int] = []
+        rows = 0
+        for g in range(meta.num_row_groups):
+            group.append(g)
+            rows += meta.row_group(g).num_rows
+            if rows >= block_rows or g == meta.num_row_groups - 1:
+                blocks.append(InputBlock(file, tuple(group), first, rows))
+                first, group, rows = first + rows, [], 0
+    try:
+        table = pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as e:
+        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
+    # (a table of no columns, when there is no id column, has no rows: count from the footers)
+    return InputIndex(_ids(table, cfg, files, tables, first), first, tuple(files), tuple(blocks))
+
+
+def read_block(cfg: InputConfig, block: InputBlock,
+               sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
+    """The rows of one block (ids: the id column, or row indices over all files)."""
+    table = _read_file(block.file, cfg, sampling_fields, list(block.row_groups))
+    if cfg.id_column and cfg.id_column in table.column_names:
+        ids = table.column(cfg.id_column).combine_chunks()
+        if pa.types.is_dictionary(ids.type):
+            ids = ids.cast(ids.type.value_type)
+    else:
+        ids = pa.array(range(block.first_row, block.first_row + table.num_rows), pa.int64())
+    return _rows(table, ids, cfg, (block.file,), sampling_fields)

@@ -17,8 +17,9 @@ CPU_WORKER_CPUS = 0.5
 
 def connect(cfg: JobConfig) -> bool:
     """Join Ray: the running session of this process, the cluster at engine.ray_address, or a new
-    local instance (no dashboard; at least one logical CPU per worker). Returns whether this
-    call started Ray (then the caller shuts it down)."""
+    local instance (no dashboard; at least one logical CPU per worker), even where `ray start`
+    left a cluster running on this machine. Returns whether this call started Ray (then the
+    caller shuts it down)."""
     import ray
 
     if ray.is_initialized():
@@ -28,7 +29,7 @@ def connect(cfg: JobConfig) -> bool:
         ray.init(address=address)
     else:
         cpus = max(os.cpu_count() or 1, cfg.engine.workers)
-        ray.init(num_cpus=cpus, include_dashboard=False, log_to_driver=False)
+        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
     return True
 
 

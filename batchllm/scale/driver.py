@@ -1,5 +1,6 @@
-"""The driver of a sharded job (engine.workers > 1): plan and shard locally, run each shard on
-a Ray actor, restart a worker that dies with the rows it had not flushed, merge the metrics.
+"""The driver of a sharded job (engine.workers > 1): plan and shard locally (engine.sharding:
+tree) or have Ray tasks range-partition the rows (partition), run each shard on a Ray actor,
+restart a worker that dies with the rows it had not flushed, merge the metrics.
 
 The parts the workers write are the single-process checkpoint format, in the same folder
 (tagged per worker), so run_job finalizes and resumes a sharded job exactly like a local one.
@@ -10,20 +11,25 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from itertools import pairwise
 
 import numpy as np
 import pyarrow.parquet as pq
 
 from batchllm.config import JobConfig
 from batchllm.model.weights import load_tokenizer, resolve_model
+from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress
-from batchllm.rows.reader import InputRows
+from batchllm.rows.reader import InputIndex, InputRows
 from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import JobShards, shard_job
 from batchllm.scale.cluster import connect, start_worker, use_gpus
 from batchllm.scale.merge import WorkerRecord, merge_metrics
+from batchllm.scale.shuffle import Partitions, partition_rows
 from batchllm.scale.worker import ShardInput
 
 MAX_RESTARTS = 3  # per worker; then the job fails (its finished rows stay in parts: resume)
@@ -75,13 +81,18 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, model=model, output=output)
 
 
-def run_sharded(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done: set[int],
-                bar: Progress) -> dict:
-    """Run every row not in `done` on engine.workers Ray actors; their parts land in
-    writer.parts_dir. Returns the merged metrics (run_job finalizes the output)."""
-    import ray
+@dataclass(eq=False)
+class _Work:
+    """What the driver hands out: each worker's input rows, and how to start its run."""
 
-    start = time.perf_counter()
+    rows: list[np.ndarray]  # [N] sorted input row indices of each worker
+    call: Callable  # (actor, worker, done rows) -> ObjectRef of the run's metrics
+    predict: Callable | None  # (worker, done rows) -> predicted prefill tokens; None: the
+    # worker's own plan tells (partition)
+
+
+def _tree_work(cfg: JobConfig, rows: InputRows) -> tuple[_Work, JobShards]:
+    """engine.sharding: tree: the driver tokenizes and plans the whole job and cuts the plan."""
     tokenizer = load_tokenizer(resolve_model(cfg.model.path))
     inputs, prompts = build_rows(tokenizer, cfg.input, cfg.sampling, rows,
                                  list(range(rows.num_rows)))
@@ -89,26 +100,65 @@ def run_sharded(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done:
         prompts = [None] * len(prompts)
     ids = rows.ids.to_pylist()
     job = shard_job(inputs, cfg, cfg.engine.workers)
+
+    def call(actor, k: int, done: set[int]):
+        return actor.run_shard.remote(_shard_input(job, k, done, inputs, ids, prompts))
+
+    return _Work(job.rows, call, lambda k, done: _predicted(job, k, done)), job
+
+
+def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partitions]:
+    """engine.sharding: partition: tasks tokenize and range-partition; workers plan."""
+    parts = partition_rows(cfg, index, cfg.engine.workers)
+
+    def call(actor, k: int, done: set[int]):
+        mine = sorted(done.intersection(parts.rows[k].tolist()))
+        return actor.run_partition.remote(parts.pieces[k], k, mine)
+
+    return _Work(parts.rows, call, None), parts
+
+
+def _cut_tokens(records: list[WorkerRecord]) -> list[int]:
+    """Prefix tokens computed on two workers at each cut between non-empty partitions: the
+    longest common prefix of the largest key before the cut and the smallest after it."""
+    ranges = [w.result.get("key_range") for w in records]
+    ranges = [r for r in ranges if r]
+    return [common_tokens(a[1], b[0]) for a, b in pairwise(ranges)]
+
+
+def run_sharded(cfg: JobConfig, source: InputRows | InputIndex, writer: CheckpointWriter,
+                done: set[int], bar: Progress) -> dict:
+    """Run every row not in `done` on engine.workers Ray actors; their parts land in
+    writer.parts_dir. `source`: all input rows (the driver plans: engine.sharding tree) or the
+    input's index (tasks tokenize and partition). Returns the merged metrics (run_job finalizes
+    the output)."""
+    import ray
+
+    start = time.perf_counter()
     cfg = _absolute_paths(cfg)  # workers may start in another directory (a joined cluster)
     records = [WorkerRecord(k) for k in range(cfg.engine.workers)]
     actors: dict = {}  # worker -> its running actor
     pending: dict = {}  # ObjectRef -> worker
-
-    def launch(k: int, now_done: set[int]) -> None:
-        shard = _shard_input(job, k, now_done, inputs, ids, prompts)
-        if len(shard.skip) == len(shard.rows):
-            return  # nothing left to run
-        records[k].predicted_prefill_tokens = _predicted(job, k, now_done)
-        actor = start_worker(cfg, writer.fingerprint, writer.flush_rows, k, records[k].restarts,
-                             gpus)
-        actors[k] = actor
-        pending[actor.run_shard.remote(shard)] = k
-
     watcher = _PartsWatcher(writer, bar)
     started = False
     try:
         started = connect(cfg)
         gpus = use_gpus(cfg)
+        if isinstance(source, InputIndex):
+            work, parts = _partition_work(cfg, source)
+        else:
+            work, job = _tree_work(cfg, source)
+
+        def launch(k: int, now_done: set[int]) -> None:
+            if not set(work.rows[k].tolist()) - now_done:
+                return  # nothing left to run
+            if work.predict is not None:
+                records[k].predicted_prefill_tokens = work.predict(k, now_done)
+            actor = start_worker(cfg, writer.fingerprint, writer.flush_rows, k,
+                                 records[k].restarts, gpus)
+            actors[k] = actor
+            pending[work.call(actor, k, now_done)] = k
+
         for k in range(cfg.engine.workers):
             launch(k, done)
         while pending:
@@ -127,7 +177,7 @@ def run_sharded(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done:
                         raise RuntimeError(f"worker {k} died {records[k].restarts} times; its "
                                            f"finished rows are in {writer.parts_dir}") from died
                     now_done = writer.done_rows()
-                    shard = set(job.rows[k].tolist())
+                    shard = set(work.rows[k].tolist())
                     records[k].rows_recovered += len((now_done - done) & shard)
                     done = done | (now_done & shard)
                     launch(k, done)
@@ -137,4 +187,15 @@ def run_sharded(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done:
             ray.kill(actor)
         if started:
             ray.shutdown()
-    return merge_metrics(job, records, time.perf_counter() - start)
+    wall = time.perf_counter() - start
+    if isinstance(source, InputIndex):
+        for w in records:  # a worker plans its own part: its plan is the prediction
+            w.predicted_prefill_tokens = w.result.get("tree_tokens", 0)
+        cuts = _cut_tokens(records) if cfg.engine.prefix_sharing else []
+        stats = {"sharding": "partition", "blocks": parts.blocks,
+                 "shard_rows": [len(r) for r in parts.rows], "cut_shared_tokens": cuts}
+        tree = sum(w.predicted_prefill_tokens for w in records) - sum(cuts)
+        return merge_metrics(records, wall, tree, sum(cuts), stats)
+    stats = {"sharding": "tree", **job.stats()}
+    return merge_metrics(records, wall, job.shards.tree_tokens, job.shards.duplicated_tokens,
+                         stats)

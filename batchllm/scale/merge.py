@@ -5,8 +5,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from batchllm.scale.assign import JobShards
-
 _SUMMED = ("rows", "prompt_tokens", "prefill_tokens", "cached_tokens", "completion_tokens",
            "preemptions", "steps")
 _MAXED = ("kv_pages_total", "kv_pages_peak", "kv_pages_shared_peak")
@@ -37,16 +35,18 @@ class WorkerRecord:
         }
 
 
-def merge_metrics(job: JobShards, records: list[WorkerRecord], wall: float) -> dict:
+def merge_metrics(records: list[WorkerRecord], wall: float, tree_tokens: int,
+                  duplicated_tokens: int, shards: dict) -> dict:
     """One metrics dict for the whole job; `rows` here counts the rows run (job.py sets the
-    job's row counts afterwards)."""
+    job's row counts afterwards). tree_tokens: of the whole job on one worker;
+    duplicated_tokens: prefix tokens computed on more than one worker."""
     results = [w.result for w in records if w.result]
     m: dict = {k: sum(r.get(k, 0) for r in results) for k in _SUMMED}
     m.update({k: max((r.get(k, 0) for r in results), default=0) for k in _MAXED})
     m.update({k: results[0].get(k) for k in _SAME} if results else {})
     completion, prompt = m["completion_tokens"], m["prompt_tokens"]
     m.update(
-        tree_tokens=job.shards.tree_tokens,
+        tree_tokens=tree_tokens,
         wall_seconds=wall,
         output_tokens_per_s=completion / wall if wall else 0.0,
         total_tokens_per_s=(prompt + completion) / wall if wall else 0.0,
@@ -54,8 +54,8 @@ def merge_metrics(job: JobShards, records: list[WorkerRecord], wall: float) -> d
         worker_restarts=sum(w.restarts for w in records),
         rows_recovered=sum(w.rows_recovered for w in records),
         predicted_prefill_tokens=sum(w.predicted_prefill_tokens for w in records),
-        predicted_duplicated_prefix_tokens=job.shards.duplicated_tokens,
-        shards=job.stats(),
+        predicted_duplicated_prefix_tokens=duplicated_tokens,
+        shards=shards,
         per_worker=[w.summary() for w in records],
     )
     return m

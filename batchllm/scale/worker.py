@@ -65,3 +65,18 @@ class ShardWorker:
         metrics.update(worker=shard.worker, wall_seconds=time.perf_counter() - start,
                        pid=os.getpid())
         return metrics
+
+    def run_partition(self, pieces: list, worker: int, done: list[int]) -> dict:
+        """Run this worker's pieces of every block (Ray object refs, engine.sharding: partition)
+        except the rows in `done`, planned here. Adds key_range: the smallest and largest key of
+        the rows in the plan (the driver counts the prefix tokens cut apart from them)."""
+        import ray
+
+        from batchllm.plan.partition import row_key
+        from batchllm.scale.shuffle import gather_pieces
+
+        shard = gather_pieces(ray.get(pieces), worker, set(done))
+        metrics = self.run_shard(shard)
+        keys = [row_key(r.prompt_ids) for r in shard.inputs if self.llm.check_row(r) is None]
+        metrics["key_range"] = (min(keys), max(keys)) if keys else None
+        return metrics
