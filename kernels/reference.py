@@ -162,18 +162,34 @@ def paged_attention_ref(
         return o, lse
     if step is None:
         step = index_step(page_table, cu_q, context_lens, kv_start, k_cache.shape[1], hkv)
+    if len(step.decode_seqs) and not step.decodes:
+        raise ValueError("paged_attention_ref: the step was indexed with gather_decodes=False")
     for bucket in step.decodes:
         k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape)  # [B, Hkv, Tk, D]
         v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape)
         ob, lb = _attend_one_query(q[bucket.rows], k, v, bucket.bias, scale)
         o[bucket.rows], lse[bucket.rows] = ob, lb
+    attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
+    return o, lse
+
+
+def attend_chunks(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    step: StepIndex,
+    scale: float,
+    o: torch.Tensor,  # [T, Hq, D], written at the chunks' rows
+    lse: torch.Tensor,  # [T, Hq] fp32, written at the chunks' rows
+) -> None:
+    """The sequences of a step with several queries (prefill chunks), one by one."""
+    hkv = k_cache.shape[2]
     for chunk in step.chunks:
         shape = (1, hkv, chunk.key_pos.shape[0])
         k = _gather_heads_first(k_cache, chunk.kv_rows, shape)  # [1, Hkv, Tk, D]
         v = _gather_heads_first(v_cache, chunk.kv_rows, shape)
         causal = (chunk.query_pos, chunk.key_pos)
         o[chunk.rows], lse[chunk.rows] = _attend_rows(q[chunk.rows], k, v, causal, scale)
-    return o, lse
 
 
 def prefix_attention_ref(

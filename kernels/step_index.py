@@ -38,8 +38,10 @@ class Chunk:
 
 @dataclass(frozen=True)
 class StepIndex:
-    decodes: list[DecodeBucket]
+    decodes: list[DecodeBucket]  # empty when built with gather_decodes=False
     chunks: list[Chunk]
+    decode_seqs: torch.Tensor  # [n] int32, the one-query sequences (for the C decode kernel)
+    decode_rows: torch.Tensor  # [n] int32, their query rows
 
 
 def index_step(
@@ -49,14 +51,19 @@ def index_step(
     kv_start: torch.Tensor,  # [B] int32
     page_size: int,
     num_kv_heads: int,
+    gather_decodes: bool = True,
 ) -> StepIndex:
-    """Index the keys of every sequence of a step (see paged_attention_ref for the meaning)."""
+    """Index the keys of every sequence of a step (see paged_attention_ref for the meaning).
+    gather_decodes=False: no gather index for the one-query sequences (the C kernel reads
+    the pages itself)."""
     dev = page_table.device
     cu, ctx, start = cu_q.tolist(), context_lens.tolist(), kv_start.tolist()
     one_query = sorted((b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1),
                        key=lambda b: ctx[b] - start[b])
+    decode_seqs = torch.tensor(one_query, dtype=torch.int32, device=dev)
+    decode_rows = torch.tensor([cu[b] for b in one_query], dtype=torch.int32, device=dev)
     decodes = []
-    for lo in range(0, len(one_query), DECODE_BUCKET):
+    for lo in range(0, len(one_query) if gather_decodes else 0, DECODE_BUCKET):
         seqs = one_query[lo : lo + DECODE_BUCKET]
         first = torch.tensor([start[b] for b in seqs], device=dev)  # [B]
         length = torch.tensor([ctx[b] - start[b] for b in seqs], device=dev)  # [B]
@@ -80,7 +87,7 @@ def index_step(
         rows = _heads_first_rows(page_table[b : b + 1], keys[None], page_size, num_kv_heads)
         queries = torch.arange(ctx[b] - n, ctx[b], device=dev)
         chunks.append(Chunk(slice(cu[b], cu[b + 1]), rows.reshape(-1), queries, keys))
-    return StepIndex(decodes, chunks)
+    return StepIndex(decodes, chunks, decode_seqs, decode_rows)
 
 
 def _heads_first_rows(

@@ -14,12 +14,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels import cpu_decode
 from kernels.reference import (
     merge_states_ref,
     paged_attention_ref,
     prefix_attention_ref,
     store_kv_ref,
 )
+from kernels.step_index import index_step
 
 HKV = 2
 
@@ -87,10 +89,21 @@ STEP = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (17, 17, 0), (37, 129, 0
         (129, 129, 0), (17, 37, 5), (1, 129, 100), (1, 37, 37), (17, 37, 30), (0, 17, 0)]
 
 
+def c_decode_twin(q, k_cache, v_cache, table, cu_q, ctx, start, scale):
+    """The CPU path with its decodes in C (kernels/cpu_decode.py)."""
+    if cpu_decode.load() is None:
+        pytest.skip("the C decode kernel could not be built here")
+    step = index_step(table, cu_q, ctx, start, k_cache.shape[1], k_cache.shape[2],
+                      gather_decodes=False)
+    return cpu_decode.paged_attention_cpu(q, k_cache, v_cache, table, cu_q, ctx, start, scale,
+                                          step)
+
+
+@pytest.mark.parametrize("impl", [paged_attention_ref, c_decode_twin], ids=["torch", "c-decode"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3])
-@pytest.mark.parametrize("page_size", [1, 16])
-def test_paged_attention_matches_sdpa(page_size, gqa, d):
+@pytest.mark.parametrize("page_size", [1, 5, 16])
+def test_paged_attention_matches_sdpa(page_size, gqa, d, impl):
     gen = torch.Generator().manual_seed(page_size * 1000 + gqa * 100 + d)
     hq = HKV * gqa
     ks = [torch.randn(ctx, HKV, d, generator=gen) for _, ctx, _ in STEP]
@@ -102,7 +115,7 @@ def test_paged_attention_matches_sdpa(page_size, gqa, d):
     ctx = torch.tensor([c for _, c, _ in STEP], dtype=torch.int32)
     start = torch.tensor([s for _, _, s in STEP], dtype=torch.int32)
     scale = d**-0.5
-    o, lse = paged_attention_ref(torch.cat(qs), k_cache, v_cache, table, cu_q, ctx, start, scale)
+    o, lse = impl(torch.cat(qs), k_cache, v_cache, table, cu_q, ctx, start, scale)
     assert o.dtype == torch.float32 and lse.dtype == torch.float32
     for b, (n, c, s) in enumerate(STEP):
         eo, el = sdpa_reference(qs[b], ks[b], vs[b], torch.arange(c - n, c), s, scale)

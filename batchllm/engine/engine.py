@@ -80,7 +80,8 @@ class Engine:
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.attention = PagedAttention(
-            shape.num_layers, num_pages, page_size, shape.num_kv_heads, shape.head_dim,
+            shape.num_layers, num_pages, page_size, shape.num_heads, shape.num_kv_heads,
+            shape.head_dim,
             loaded.model.dtype, loaded.model.embed.device,
         )
         self.runner = ModelRunner(loaded.model, self.attention, page_size, prefix_sharing)

@@ -1,6 +1,7 @@
 """The KV cache tensors and the attention of one step over them.
 
-On CUDA the Triton kernels run; elsewhere their pure-torch twins. A step's attention is
+On CUDA the Triton kernels run; elsewhere their pure-torch twins, with the decodes in C on the
+CPU where the kernel builds (kernels/cpu_decode.py). A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
 merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 and is all.
@@ -13,7 +14,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import reference
+from kernels import cpu_decode, reference
 from kernels.step_index import StepIndex, index_step
 
 
@@ -40,16 +41,24 @@ class _Ops:
     prefix_attention: Callable
     merge_states: Callable
     indexes_steps: bool  # the twin: paged_attention takes a StepIndex built once per step
+    gathers_decodes: bool = True  # that index holds gather rows for the one-query sequences
 
 
-def _ops_for(device: torch.device) -> _Ops:
+def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
+             head_dim: int, page_size: int) -> _Ops:
+    """Triton kernels on CUDA; on the CPU the twins, with decodes in C where it builds."""
     if device.type == "cuda":
         import kernels  # the Triton launchers, only where they can run
 
         return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
                     kernels.merge_states, indexes_steps=False)
-    return _Ops(reference.store_kv_ref, reference.paged_attention_ref,
-                reference.prefix_attention_ref, reference.merge_states_ref, indexes_steps=True)
+    paged = reference.paged_attention_ref
+    c_decode = device.type == "cpu" and cpu_decode.supports(dtype, num_q_heads, num_kv_heads,
+                                                            head_dim, page_size)
+    if c_decode:
+        paged = cpu_decode.paged_attention_cpu
+    return _Ops(reference.store_kv_ref, paged, reference.prefix_attention_ref,
+                reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode)
 
 
 class PagedAttention:
@@ -60,6 +69,7 @@ class PagedAttention:
         num_layers: int,
         num_pages: int,
         page_size: int,
+        num_heads: int,
         num_kv_heads: int,
         head_dim: int,
         dtype: torch.dtype,
@@ -70,7 +80,8 @@ class PagedAttention:
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
         self.scale = head_dim**-0.5
-        self.ops = _ops_for(torch.device(device))
+        self.ops = _ops_for(torch.device(device), dtype, num_heads, num_kv_heads, head_dim,
+                            page_size)
         self.meta: StepMetadata | None = None
         self._step_index: tuple[StepMetadata, StepIndex] | None = None  # (for which meta, index)
 
@@ -109,6 +120,7 @@ class PagedAttention:
         """The step's gather index, built at the first layer and reused by the others."""
         if self._step_index is None or self._step_index[0] is not m:
             _, _, page_size, hkv, _ = self.k_cache.shape
-            index = index_step(m.page_table, m.cu_q, m.context_lens, m.kv_start, page_size, hkv)
+            index = index_step(m.page_table, m.cu_q, m.context_lens, m.kv_start, page_size, hkv,
+                               gather_decodes=self.ops.gathers_decodes)
             self._step_index = (m, index)
         return self._step_index[1]

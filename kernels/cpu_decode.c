@@ -1,0 +1,139 @@
+/* Decode attention on the CPU over the paged KV cache: the C twin of the decode half of
+ * paged_attention_ref (kernels/reference.py), built and loaded by kernels/cpu_decode.py.
+ *
+ * For each one-query sequence i (seqs[i] indexes page_table/context_lens/kv_start, rows[i] is its
+ * query row), every query head attends to the keys at positions kv_start .. context_len - 1,
+ * read straight out of the pages once, a page at a time (all KV heads of a page are contiguous),
+ * with the online softmax of flash attention. Writes o[row] and lse[row] (natural-log sum-exp of
+ * the scaled scores; o = 0 and lse = -inf for a sequence with no key).
+ *
+ * Shapes (float32, int32 indices, all contiguous):
+ *   q, o [T, Hq, D]; lse [T, Hq]; k_cache, v_cache [num_pages, page_size, Hkv, D];
+ *   page_table [B, max_pages]; context_lens, kv_start [B]; seqs, rows [n].
+ * Query head hq reads KV head hq / (Hq / Hkv). Parallel over sequences with OpenMP (torch's own
+ * runtime, so torch's thread count). AVX2 + FMA where the compiler targets them, else plain C.
+ */
+#include <math.h>
+#include <stdint.h>
+
+#define MAX_HEADS 64
+#define MAX_HEAD_DIM 256
+#define MAX_PAGE 256
+
+#ifdef __AVX2__
+#include <immintrin.h>
+/* the sums of 8 vectors, as one vector */
+static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4, __m256 a5,
+                           __m256 a6, __m256 a7) {
+    __m256 b0 = _mm256_hadd_ps(a0, a1), b1 = _mm256_hadd_ps(a2, a3);
+    __m256 b2 = _mm256_hadd_ps(a4, a5), b3 = _mm256_hadd_ps(a6, a7);
+    __m256 c0 = _mm256_hadd_ps(b0, b1), c1 = _mm256_hadd_ps(b2, b3);
+    /* c0 = [t0l t1l t2l t3l | t0h t1h t2h t3h], c1 likewise for t4..t7 */
+    __m256 lo = _mm256_permute2f128_ps(c0, c1, 0x20), hi = _mm256_permute2f128_ps(c0, c1, 0x31);
+    return _mm256_add_ps(lo, hi);
+}
+#endif
+
+/* s[t] = q . k_t for t < len, k_t = k + t * stride, D floats each */
+static inline void page_scores(const float *q, const float *k, int64_t stride, int64_t len,
+                               int64_t D, float *s) {
+    int64_t t = 0;
+#ifdef __AVX2__
+    if (D % 8 == 0) {
+        for (; t + 8 <= len; t += 8) {
+            __m256 a[8];
+            for (int j = 0; j < 8; j++) a[j] = _mm256_setzero_ps();
+            for (int64_t d = 0; d < D; d += 8) {
+                const __m256 qv = _mm256_loadu_ps(q + d);
+                for (int j = 0; j < 8; j++)
+                    a[j] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k + (t + j) * stride + d), a[j]);
+            }
+            _mm256_storeu_ps(s + t, hsum8(a[0], a[1], a[2], a[3], a[4], a[5], a[6], a[7]));
+        }
+    }
+#endif
+    for (; t < len; t++) {
+        const float *kt = k + t * stride;
+        float dot = 0.f;
+        for (int64_t d = 0; d < D; d++) dot += q[d] * kt[d];
+        s[t] = dot;
+    }
+}
+
+/* acc[d] += sum_t p[t] * v_t[d], v_t = v + t * stride */
+static inline void page_values(const float *p, const float *v, int64_t stride, int64_t len,
+                               int64_t D, float *acc) {
+    int64_t d0 = 0;
+#ifdef __AVX2__
+    for (; d0 + 64 <= D; d0 += 64) {
+        __m256 a[8];
+        for (int j = 0; j < 8; j++) a[j] = _mm256_loadu_ps(acc + d0 + 8 * j);
+        for (int64_t t = 0; t < len; t++) {
+            const __m256 pt = _mm256_set1_ps(p[t]);
+            const float *vt = v + t * stride + d0;
+            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
+        }
+        for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
+    }
+#endif
+    for (; d0 < D; d0++) {
+        float a = acc[d0];
+        for (int64_t t = 0; t < len; t++) a += p[t] * v[t * stride + d0];
+        acc[d0] = a;
+    }
+}
+
+int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim, int64_t page_size) {
+    return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM && page_size <= MAX_PAGE;
+}
+
+void cpu_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+                          const int32_t *page_table, int64_t max_pages,
+                          const int32_t *context_lens, const int32_t *kv_start,
+                          const int32_t *seqs, const int32_t *rows, int64_t n,
+                          int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t page_size, float scale, float *o, float *lse) {
+    const int64_t G = num_q_heads / num_kv_heads, D = head_dim, S = page_size, H = num_q_heads;
+    const int64_t token_stride = num_kv_heads * D;
+#pragma omp parallel for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; i++) {
+        float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
+        float s[MAX_HEADS][MAX_PAGE], m[MAX_HEADS], l[MAX_HEADS];
+        const int64_t b = seqs[i], row = rows[i];
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float *qh = q + (row * H + hq) * D;
+            m[hq] = -INFINITY;
+            l[hq] = 0.f;
+            for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }
+        }
+        const int64_t end = context_lens[b];
+        for (int64_t pos = kv_start[b]; pos < end;) {
+            const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
+            const int64_t len = (S - first < end - pos) ? S - first : end - pos;
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *k = k_cache + ((page * S + first) * num_kv_heads + h) * D;
+                const float *v = v_cache + ((page * S + first) * num_kv_heads + h) * D;
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
+                    page_scores(qs[hq], k, token_stride, len, D, s[hq]);
+                    float top = m[hq];
+                    for (int64_t t = 0; t < len; t++) top = s[hq][t] > top ? s[hq][t] : top;
+                    const float rescale = expf(m[hq] - top);
+                    l[hq] *= rescale;
+                    for (int64_t d = 0; d < D; d++) acc[hq][d] *= rescale;
+                    m[hq] = top;
+                    for (int64_t t = 0; t < len; t++) {
+                        s[hq][t] = expf(s[hq][t] - top);
+                        l[hq] += s[hq][t];
+                    }
+                    page_values(s[hq], v, token_stride, len, D, acc[hq]);
+                }
+            }
+            pos += len;
+        }
+        for (int64_t hq = 0; hq < H; hq++) {
+            const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+            for (int64_t d = 0; d < D; d++) o[(row * H + hq) * D + d] = acc[hq][d] * inv;
+            lse[row * H + hq] = l[hq] > 0.f ? m[hq] + logf(l[hq]) : -INFINITY;
+        }
+    }
+}
