@@ -8,7 +8,7 @@ from batchllm.job import partitioned
 from batchllm.model.weights import load_tokenizer, resolve_model
 from batchllm.rows.reader import read_input
 from batchllm.rows.requests import build_rows
-from batchllm.scale.assign import describe, plan_rows
+from batchllm.scale.assign import describe, partition_job, plan_rows
 from batchllm.scale.assign import shard_job as _shard_job
 
 
@@ -18,7 +18,8 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     tokenizer = load_tokenizer(resolve_model(cfg.model.path))
     inputs, _ = build_rows(tokenizer, cfg.input, cfg.sampling, rows, list(range(rows.num_rows)))
     if cfg.engine.workers > 1:
-        sharded = _shard_job(inputs, cfg, cfg.engine.workers)
+        cut = partition_job if partitioned(cfg) else _shard_job
+        sharded = cut(inputs, cfg, cfg.engine.workers)
         plan, good = sharded.plan, sharded.planned
     else:
         plan, good = plan_rows(inputs, cfg)
@@ -38,8 +39,7 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
         "page_size": cfg.engine.page_size,
     }
     if cfg.engine.workers > 1:
-        report["sharding"] = ("partition: at run time Ray tasks cut the rows by leading tokens "
-                              "and each worker plans its part; the shards below are the tree "
-                              "cut, for comparison") if partitioned(cfg) else "tree"
+        report["sharding"] = ("partition (rows cut by leading tokens; at run time Ray tasks "
+                              "cut them, by row groups)") if partitioned(cfg) else "tree"
         report.update(describe(sharded))
     return report

@@ -89,9 +89,11 @@ def check_workers(metrics: dict) -> None:
     assert metrics["prefill_tokens"] == sum(w["prefill_tokens"] for w in per)
 
 
-def test_plan_shows_shards_without_running(tmp_path):
-    report = plan_job(str(make_job(tmp_path, "plan", workers=2)), [])
-    assert report["workers"] == 2
+@pytest.mark.parametrize("sharding", ["tree", "partition"])
+def test_plan_shows_shards_without_running(tmp_path, sharding):
+    report = plan_job(str(make_job(tmp_path, "plan", workers=2)),
+                      [f"engine.sharding={sharding}"])
+    assert report["workers"] == 2 and report["sharding"].startswith(sharding)
     rows = [int(report[f"shard {k}"].split()[0].removeprefix("rows=")) for k in (0, 1)]
     assert sum(rows) == ROWS and min(rows) > 0
     assert report["duplicated_prefix_tokens"] >= 0

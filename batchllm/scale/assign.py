@@ -14,7 +14,7 @@ import numpy as np
 from batchllm.config import JobConfig
 from batchllm.llm import RowInput
 from batchllm.plan.planner import Plan, make_plan
-from batchllm.plan.shards import Shards, make_shards
+from batchllm.plan.shards import Shards, make_shards, shard_prefill
 
 
 @dataclass(eq=False)
@@ -57,6 +57,29 @@ def shard_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -> Jo
         k = int(np.argmin(shards.cost))
         rows[k] = np.sort(np.concatenate((rows[k], bad)))
     return JobShards(plan, good, shards, rows)
+
+
+def partition_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -> JobShards:
+    """What engine.sharding: partition does, computed on this machine (for `batchllm plan`):
+    the same sampling, cuts and routing over blocks of BLOCK_ROWS consecutive rows (the run's
+    blocks are whole row groups, so its cuts may differ slightly); rows that cannot run go to
+    part 0, as `route` sends them."""
+    from batchllm.plan.partition import choose_cuts, route, sample_block
+    from batchllm.rows.reader import BLOCK_ROWS
+    from batchllm.scale.shuffle import SAMPLES
+
+    plan, good = plan_rows(inputs, cfg)
+    blocks = [inputs[lo : lo + BLOCK_ROWS] for lo in range(0, len(inputs), BLOCK_ROWS)]
+    per_block = max(16, SAMPLES // max(1, len(blocks)))
+    uppers = choose_cuts([sample_block(b, per_block) for b in blocks], num_shards)
+    part = route(inputs, uppers)  # [len(inputs)]
+    plan_rows_of = [np.flatnonzero(part[good] == k) for k in range(num_shards)]
+    prefill = np.array([shard_prefill(plan, r) for r in plan_rows_of], np.int64)
+    decode = np.array([int(plan.row_max_tokens[r].sum(dtype=np.int64)) for r in plan_rows_of],
+                      np.int64)
+    tree = plan.tree_tokens if plan.prefix_sharing else int(plan.row_len.sum(dtype=np.int64))
+    shards = Shards(plan_rows_of, prefill, decode, tree, 0)
+    return JobShards(plan, good, shards, [np.flatnonzero(part == k) for k in range(num_shards)])
 
 
 def describe(job: JobShards) -> dict[str, object]:
