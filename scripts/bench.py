@@ -3,6 +3,7 @@
     python scripts/bench.py                       # the contract workload (64 chat prompts)
     python scripts/bench.py --rows 8 --skip-hf    # quick run
     python scripts/bench.py --workload W.parquet --json out/bench.json
+    python scripts/bench.py --repeat 2 --skip-hf-continuous   # A B C, C B A: drift cancels
 
 Settings: hf-static (transformers `generate`, batches of 8, left padding: the seed's static
 batching), hf-continuous (transformers' own continuous batching, where installed), batchllm with
@@ -226,28 +227,52 @@ SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-shari
 
 def isolated(args: argparse.Namespace) -> None:
     """Each setting in its own process, one after the other (same machine, same data): no setting
-    inherits another's heap, threads or caches. Prints one table of all of them."""
+    inherits another's heap, threads or caches. With --repeat N, N rounds in alternating order
+    (A B C D, D C B A, ...), so that a machine that drifts slower or faster during the run
+    favours no setting; each setting's figures are then the mean over its runs. Prints one table
+    of all of them."""
     skipped = {"hf-static": args.skip_hf or args.skip_hf_static,
                "hf-continuous": args.skip_hf or args.skip_hf_continuous,
                "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm}
-    child_args = [a for a in sys.argv[1:] if not a.startswith("--json=")]
-    if "--json" in child_args:
-        i = child_args.index("--json")
-        del child_args[i : i + 2]
-    results, env = [], {}
+    child_args = [a for a in sys.argv[1:] if not a.startswith(("--json=", "--repeat="))]
+    for flag in ("--json", "--repeat"):
+        if flag in child_args:
+            i = child_args.index(flag)
+            del child_args[i : i + 2]
+    names = [n for n in SETTINGS if not skipped[n]]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    env = {}
     with tempfile.TemporaryDirectory() as tmp:
-        for name in (n for n in SETTINGS if not skipped[n]):
-            out = Path(tmp) / f"{name}.json"
-            subprocess.run([sys.executable, __file__, *child_args, "--only", name, "--json",
-                            str(out)], check=True)
-            data = json.loads(out.read_text())
-            results += data["results"]
-            env = data["env"]
+        for round_ in range(args.repeat):
+            for name in names if round_ % 2 == 0 else names[::-1]:
+                out = Path(tmp) / f"{name}-{round_}.json"
+                subprocess.run([sys.executable, __file__, *child_args, "--only", name, "--json",
+                                str(out)], check=True)
+                data = json.loads(out.read_text())
+                runs[name] += data["results"]
+                env = data["env"]
+    results = [_mean_of(runs[n]) for n in names]
     print(table(results))
     if args.json:
         args.json.parent.mkdir(parents=True, exist_ok=True)
-        env["isolated"] = True
-        args.json.write_text(json.dumps({"env": env, "results": results}, indent=1, default=str))
+        env.update(isolated=True, repeat=args.repeat)
+        args.json.write_text(json.dumps({"env": env, "results": results, "runs": runs},
+                                        indent=1, default=str))
+
+
+def _mean_of(runs: list[dict]) -> dict:
+    """One setting's runs as one result: mean wall time, tokens/s from it, each wall in the note."""
+    timed = [r for r in runs if "wall_s" in r]
+    if len(runs) == 1 or not timed:
+        return runs[0]
+    r = dict(timed[0])
+    r["wall_s"] = sum(t["wall_s"] for t in timed) / len(timed)
+    r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
+    r["total_tok_s"] = (r["prompt_tokens"] + r["output_tokens"]) / r["wall_s"]
+    walls = ", ".join(f"{t['wall_s']:.1f}" for t in timed)
+    r["note"] = f"mean of {len(timed)} runs ({walls} s)" + (f"; {r['note']}" if r.get("note")
+                                                             else "")
+    return r
 
 
 def main() -> None:
@@ -267,6 +292,8 @@ def main() -> None:
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--in-process", action="store_true",
                     help="run every setting in this process (default: each in a fresh one)")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="rounds of all settings, in alternating order; figures are means")
     ap.add_argument("--only", help=argparse.SUPPRESS)  # the one setting a child process runs
     args = ap.parse_args()
     if not args.in_process and args.only is None:
