@@ -17,8 +17,9 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     rows = read_input(cfg.input)
     tokenizer = load_tokenizer(resolve_model(cfg.model.path))
     inputs, _ = build_rows(tokenizer, cfg.input, cfg.sampling, rows, list(range(rows.num_rows)))
+    partition = partitioned(cfg)
     if cfg.engine.workers > 1:
-        cut = partition_job if partitioned(cfg) else _shard_job
+        cut = partition_job if partition else _shard_job
         sharded = cut(inputs, cfg, cfg.engine.workers)
         plan, good = sharded.plan, sharded.planned
     else:
@@ -40,6 +41,6 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     }
     if cfg.engine.workers > 1:
         report["sharding"] = ("partition (rows cut by leading tokens; at run time Ray tasks "
-                              "cut them, by row groups)") if partitioned(cfg) else "tree"
+                              "cut them, by row groups)") if partition else "tree"
         report.update(describe(sharded))
     return report

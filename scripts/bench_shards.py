@@ -26,12 +26,18 @@ import numpy as np
 from bench_planner import synthetic
 
 from batchllm.llm import RowInput
-from batchllm.plan.partition import choose_cuts, common_tokens, route, row_key, sample_block
+from batchllm.plan.partition import (
+    choose_cuts,
+    common_tokens,
+    route,
+    row_key,
+    sample_block,
+    samples_per_block,
+)
 from batchllm.plan.planner import make_plan
 from batchllm.plan.shards import make_shards
 from batchllm.rows.reader import BLOCK_ROWS
 from batchllm.sampling_params import SamplingParams
-from batchllm.scale.shuffle import SAMPLES
 
 
 def partition(tokens: np.ndarray, offsets: np.ndarray, max_tokens: np.ndarray,
@@ -39,7 +45,7 @@ def partition(tokens: np.ndarray, offsets: np.ndarray, max_tokens: np.ndarray,
     rows = [RowInput(tokens[offsets[i] : offsets[i + 1]], SamplingParams(max_tokens=int(m)), i,
                      None) for i, m in enumerate(max_tokens.tolist())]
     blocks = [rows[lo : lo + BLOCK_ROWS] for lo in range(0, len(rows), BLOCK_ROWS)]
-    per_block = max(16, SAMPLES // len(blocks))
+    per_block = samples_per_block(len(blocks))
     t0 = time.perf_counter()
     samples = [sample_block(b, per_block) for b in blocks]
     t1 = time.perf_counter()

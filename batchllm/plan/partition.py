@@ -23,6 +23,7 @@ import numpy as np
 from batchllm.llm import RowInput
 
 KEY_TOKENS = 1024  # rows equal in their first 1024 tokens always land on the same worker
+SAMPLES = 32768  # keys the driver receives from all blocks together (each at most 4 KiB)
 
 
 def row_key(prompt_ids: np.ndarray | None) -> bytes:
@@ -75,6 +76,11 @@ def sample_block(rows: Sequence[RowInput], max_samples: int) -> BlockSample:
         ends.append(len(order) - 1)
     sums = np.add.reduceat(cost, [0] + [e + 1 for e in ends[:-1]])
     return BlockSample([keys[order[e]] for e in ends], sums.astype(np.int64))
+
+
+def samples_per_block(num_blocks: int) -> int:
+    """Each block's share of SAMPLES (at least 16)."""
+    return max(16, SAMPLES // max(1, num_blocks))
 
 
 def choose_cuts(samples: Sequence[BlockSample], num_parts: int,

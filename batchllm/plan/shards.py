@@ -40,6 +40,15 @@ class Shards:
     tree_tokens: int  # predicted prefill of the whole plan on one worker
     split_nodes: int  # prefix nodes whose subtree was too big for one shard
 
+    @classmethod
+    def of(cls, plan: Plan, rows: list[np.ndarray], split_nodes: int = 0) -> Shards:
+        """The shards of `plan` whose plan row ids are `rows`, with their predicted figures."""
+        prefill = np.array([shard_prefill(plan, s) for s in rows], np.int64)
+        decode = np.array([int(plan.row_max_tokens[s].sum(dtype=np.int64)) for s in rows],
+                          np.int64)
+        tree = plan.tree_tokens if plan.prefix_sharing else int(plan.row_len.sum(dtype=np.int64))
+        return cls(rows, prefill, decode, tree, split_nodes)
+
     @property
     def num_shards(self) -> int:
         return len(self.rows)
@@ -195,10 +204,7 @@ def make_shards(plan: Plan, num_shards: int, tolerance: float = 0.1) -> Shards:
     order = np.argsort(row_shard, kind="stable")
     counts = np.bincount(row_shard, minlength=num_shards)
     rows = np.split(order.astype(np.int64), np.cumsum(counts)[:-1])
-    prefill = np.array([shard_prefill(plan, s) for s in rows], np.int64)
-    decode = np.array([int(plan.row_max_tokens[s].sum(dtype=np.int64)) for s in rows], np.int64)
-    tree = plan.tree_tokens if plan.prefix_sharing else int(plan.row_len.sum(dtype=np.int64))
-    return Shards(rows, prefill, decode, tree, int(split.sum()))
+    return Shards.of(plan, rows, int(split.sum()))
 
 
 __all__ = ["PREFIX", "ROW", "Shards", "make_shards", "shard_prefill"]

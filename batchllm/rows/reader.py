@@ -76,20 +76,27 @@ def _read(file: str, wanted: list[str | None], row_groups: list[int] | None = No
         raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
 
 
-def _strings(col: pa.ChunkedArray, field: str, name: str) -> list[str | None]:
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    if not (pa.types.is_string(col.type) or pa.types.is_large_string(col.type)):
-        raise ConfigError(f"{field}: column {name!r} has type {col.type}; expected string")
-    return col.to_pylist()
+def _check_string(t: pa.DataType, field: str, name: str) -> None:
+    if not (pa.types.is_string(t) or pa.types.is_large_string(t)):
+        raise ConfigError(f"{field}: column {name!r} has type {t}; expected string")
 
 
-def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict] | None]:
-    t = col.type
+def _check_messages(t: pa.DataType, name: str) -> None:
     ok = (pa.types.is_list(t) or pa.types.is_large_list(t)) and pa.types.is_struct(t.value_type)
     if not ok or not {"role", "content"} <= {f.name for f in t.value_type}:
         raise ConfigError(f"input.messages_column: column {name!r} has type {t}; expected "
                           "list<struct<role: string, content: string>>")
+
+
+def _strings(col: pa.ChunkedArray, field: str, name: str) -> list[str | None]:
+    if pa.types.is_dictionary(col.type):
+        col = col.cast(col.type.value_type)
+    _check_string(col.type, field, name)
+    return col.to_pylist()
+
+
+def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict] | None]:
+    _check_messages(col.type, name)
     return [None if row is None else [{"role": m["role"], "content": m["content"]}
                                       for m in row if m is not None]
             for row in col.to_pylist()]
@@ -135,6 +142,34 @@ _COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
 }
 
 
+def _check_override(name: str, t: pa.DataType) -> None:
+    ok, words = _COLUMN_KINDS.get(name, (lambda t: True, ""))
+    if not (ok(t) or pa.types.is_null(t)):
+        raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
+                          f"{t}; expected {words}")
+
+
+def _check_schema(schema: pa.Schema, cfg: InputConfig,
+                  sampling_fields: tuple[str, ...]) -> None:
+    """The column types read_input checks, from a file's schema alone (a float column for an
+    integer field is checked by value when its block is read: pandas writes integers with nulls
+    as floats)."""
+    def value_type(name: str) -> pa.DataType:
+        t = schema.field(name).type
+        return t.value_type if pa.types.is_dictionary(t) else t
+
+    text, field = _text_field(cfg)
+    if cfg.messages_column:
+        _check_messages(value_type(text), text)
+    else:
+        _check_string(value_type(text), field, text)
+    for name in sampling_fields:
+        if name in schema.names and name != text:
+            t = value_type(name)
+            if not (pa.types.is_floating(t) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
+                _check_override(name, t)
+
+
 def _override(name: str, col: pa.ChunkedArray) -> list:
     """One per-row sampling column as Python values (None: the job default).
 
@@ -147,10 +182,7 @@ def _override(name: str, col: pa.ChunkedArray) -> list:
             col = col.cast(pa.int64())
         except pa.ArrowInvalid:
             pass
-    ok, words = _COLUMN_KINDS.get(name, (lambda t: True, ""))
-    if not (ok(col.type) or pa.types.is_null(col.type)):
-        raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
-                          f"{col.type}; expected {words}")
+    _check_override(name, col.type)
     values = col.to_pylist()
     if name == "stop":
         values = [v if v is None else (v,) if isinstance(v, str) else tuple(v) for v in values]
@@ -236,17 +268,20 @@ def _metadata(file: str) -> pq.FileMetaData:
         raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
 
 
-def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS) -> InputIndex:
+def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS,
+               sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputIndex:
     """Ids (checked as read_input checks them), row count and blocks of about `block_rows`
-    rows (whole row groups), reading only the id column; the text column must exist."""
+    rows (whole row groups), reading only the id column; the text column must exist and every
+    column's type is checked from the schema, so a bad job stops before anything runs."""
     files = input_files(cfg.path)
     text, field = _text_field(cfg)
     tables, blocks, first = [], [], 0
     for file in files:
         meta = _metadata(file)
-        names = meta.schema.to_arrow_schema().names
-        if text not in names:
-            raise _missing(field, text, file, names)
+        schema = meta.schema.to_arrow_schema()
+        if text not in schema.names:
+            raise _missing(field, text, file, schema.names)
+        _check_schema(schema, cfg, sampling_fields)
         tables.append(_read(file, [cfg.id_column]))
         group: list[int] = []
         rows = 0

@@ -13,8 +13,9 @@ import numpy as np
 
 from batchllm.config import JobConfig
 from batchllm.llm import RowInput
+from batchllm.plan.partition import runnable
 from batchllm.plan.planner import Plan, make_plan
-from batchllm.plan.shards import Shards, make_shards, shard_prefill
+from batchllm.plan.shards import Shards, make_shards
 
 
 @dataclass(eq=False)
@@ -36,8 +37,7 @@ class JobShards:
 
 def plan_rows(inputs: Sequence[RowInput], cfg: JobConfig) -> tuple[Plan, np.ndarray]:
     """The plan of the rows that can run (no known error), and their input indices."""
-    good = np.array([i for i, r in enumerate(inputs)
-                     if r.error is None and r.sampling.problem() is None], np.int64)
+    good = np.array([i for i, r in enumerate(inputs) if runnable(r)], np.int64)
     plan = make_plan(
         [inputs[i].prompt_ids for i in good],
         np.asarray([inputs[i].sampling.max_tokens for i in good], dtype=np.int32),
@@ -64,21 +64,15 @@ def partition_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -
     the same sampling, cuts and routing over blocks of BLOCK_ROWS consecutive rows (the run's
     blocks are whole row groups, so its cuts may differ slightly); rows that cannot run go to
     part 0, as `route` sends them."""
-    from batchllm.plan.partition import choose_cuts, route, sample_block
+    from batchllm.plan.partition import choose_cuts, route, sample_block, samples_per_block
     from batchllm.rows.reader import BLOCK_ROWS
-    from batchllm.scale.shuffle import SAMPLES
 
     plan, good = plan_rows(inputs, cfg)
     blocks = [inputs[lo : lo + BLOCK_ROWS] for lo in range(0, len(inputs), BLOCK_ROWS)]
-    per_block = max(16, SAMPLES // max(1, len(blocks)))
+    per_block = samples_per_block(len(blocks))
     uppers = choose_cuts([sample_block(b, per_block) for b in blocks], num_shards)
     part = route(inputs, uppers)  # [len(inputs)]
-    plan_rows_of = [np.flatnonzero(part[good] == k) for k in range(num_shards)]
-    prefill = np.array([shard_prefill(plan, r) for r in plan_rows_of], np.int64)
-    decode = np.array([int(plan.row_max_tokens[r].sum(dtype=np.int64)) for r in plan_rows_of],
-                      np.int64)
-    tree = plan.tree_tokens if plan.prefix_sharing else int(plan.row_len.sum(dtype=np.int64))
-    shards = Shards(plan_rows_of, prefill, decode, tree, 0)
+    shards = Shards.of(plan, [np.flatnonzero(part[good] == k) for k in range(num_shards)])
     return JobShards(plan, good, shards, [np.flatnonzero(part == k) for k in range(num_shards)])
 
 

@@ -14,11 +14,15 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchllm.config import JobConfig
-from batchllm.plan.partition import BlockSample, choose_cuts, route, sample_block
+from batchllm.plan.partition import (
+    BlockSample,
+    choose_cuts,
+    route,
+    sample_block,
+    samples_per_block,
+)
 from batchllm.rows.reader import InputBlock, InputIndex, read_block
 from batchllm.scale.worker import ShardInput
-
-SAMPLES = 32768  # keys the driver receives in all (each at most 4 KiB)
 
 
 @functools.cache
@@ -58,11 +62,10 @@ def split_block(payload: ShardInput, uppers: list[bytes], num_parts: int) -> tup
 @dataclass(eq=False)
 class Partitions:
     """Where each row of the job went: rows[k] are worker k's input row indices (sorted), pieces[k]
-    the object refs of its ShardInput pieces (one per block), uppers the cut keys."""
+    the object refs of its ShardInput pieces (one per block)."""
 
     rows: list[np.ndarray]
     pieces: list[list]
-    uppers: list[bytes]
     blocks: int
 
 
@@ -74,7 +77,7 @@ def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int) -> Partiti
 
     tokenize = ray.remote(tokenize_block).options(num_returns=2)
     split = ray.remote(split_block).options(num_returns=num_parts + 1)
-    per_block = max(16, SAMPLES // max(1, len(index.blocks)))
+    per_block = samples_per_block(len(index.blocks))
     first = [tokenize.remote(cfg, b, per_block) for b in index.blocks]
     try:
         samples = ray.get([s for _, s in first])
@@ -89,7 +92,7 @@ def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int) -> Partiti
                             for b, w in zip(index.blocks, where)]).astype(np.int64)
             for k in range(num_parts)]
     pieces = [[refs[k + 1] for refs in second] for k in range(num_parts)]
-    return Partitions(rows, pieces, uppers, len(index.blocks))
+    return Partitions(rows, pieces, len(index.blocks))
 
 
 def gather_pieces(pieces: list[ShardInput], worker: int, done: set[int]) -> ShardInput:
