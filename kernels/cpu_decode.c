@@ -3,8 +3,10 @@
  *
  * For each one-query sequence i (seqs[i] indexes page_table/context_lens/kv_start, rows[i] is its
  * query row), every query head attends to the keys at positions kv_start .. context_len - 1,
- * read straight out of the pages once, a page at a time (all KV heads of a page are contiguous),
- * with the online softmax of flash attention. Writes o[row] and lse[row] (natural-log sum-exp of
+ * read straight out of the pages, with the online softmax of flash attention over blocks of
+ * BLOCK keys: the block's scores (a page run at a time; all KV heads of a page are contiguous),
+ * then its exponentials (8 at a time), then its values. The next page's keys and the current
+ * page's values are prefetched while the scores are computed (the pages are scattered). Writes o[row] and lse[row] (natural-log sum-exp of
  * the scaled scores; o = 0 and lse = -inf for a sequence with no key).
  *
  * Shapes (float32, int32 indices, all contiguous):
@@ -18,7 +20,7 @@
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256
-#define MAX_PAGE 256
+#define BLOCK 128 /* tokens per softmax block, a multiple of 8 */
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -31,6 +33,24 @@ static inline __m256 hsum8(__m256 a0, __m256 a1, __m256 a2, __m256 a3, __m256 a4
     /* c0 = [t0l t1l t2l t3l | t0h t1h t2h t3h], c1 likewise for t4..t7 */
     __m256 lo = _mm256_permute2f128_ps(c0, c1, 0x20), hi = _mm256_permute2f128_ps(c0, c1, 0x31);
     return _mm256_add_ps(lo, hi);
+}
+
+/* e^x for 8 floats (Cephes' expf polynomial, about 1 ulp), x clamped to [-87.3, 88.4] */
+static inline __m256 exp8(__m256 x) {
+    x = _mm256_min_ps(_mm256_max_ps(x, _mm256_set1_ps(-87.3365447f)), _mm256_set1_ps(88.3762626f));
+    __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)),
+                               _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
+    x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
+    __m256 y = _mm256_set1_ps(1.9875691500e-4f);
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
+    y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
+    y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.f)));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
 
@@ -83,8 +103,33 @@ static inline void page_values(const float *p, const float *v, int64_t stride, i
     }
 }
 
-int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim, int64_t page_size) {
-    return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM && page_size <= MAX_PAGE;
+/* s[t] = e^(s[t] - top) for t < len; returns their sum */
+static inline float exp_shift_sum(float *s, int64_t len, float top) {
+    int64_t t = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 tv = _mm256_set1_ps(top);
+    for (; t + 8 <= len; t += 8) {
+        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), tv));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float part[8];
+    _mm256_storeu_ps(part, acc);
+    for (int j = 0; j < 8; j++) sum += part[j];
+#endif
+    for (; t < len; t++) { s[t] = expf(s[t] - top); sum += s[t]; }
+    return sum;
+}
+
+/* ask for n floats from p into the cache, a 64-byte line at a time */
+static inline void prefetch_run(const float *p, int64_t n) {
+    for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
+}
+
+int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim) {
+    return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM;
 }
 
 void cpu_decode_attention(const float *q, const float *k_cache, const float *v_cache,
@@ -98,7 +143,7 @@ void cpu_decode_attention(const float *q, const float *k_cache, const float *v_c
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {
         float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
-        float s[MAX_HEADS][MAX_PAGE], m[MAX_HEADS], l[MAX_HEADS];
+        float s[MAX_HEADS][BLOCK], m[MAX_HEADS], l[MAX_HEADS];
         const int64_t b = seqs[i], row = rows[i];
         for (int64_t hq = 0; hq < H; hq++) {
             const float *qh = q + (row * H + hq) * D;
@@ -107,28 +152,44 @@ void cpu_decode_attention(const float *q, const float *k_cache, const float *v_c
             for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }
         }
         const int64_t end = context_lens[b];
-        for (int64_t pos = kv_start[b]; pos < end;) {
-            const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
-            const int64_t len = (S - first < end - pos) ? S - first : end - pos;
-            for (int64_t h = 0; h < num_kv_heads; h++) {
-                const float *k = k_cache + ((page * S + first) * num_kv_heads + h) * D;
-                const float *v = v_cache + ((page * S + first) * num_kv_heads + h) * D;
-                for (int64_t hq = h * G; hq < (h + 1) * G; hq++) {
-                    page_scores(qs[hq], k, token_stride, len, D, s[hq]);
-                    float top = m[hq];
-                    for (int64_t t = 0; t < len; t++) top = s[hq][t] > top ? s[hq][t] : top;
-                    const float rescale = expf(m[hq] - top);
-                    l[hq] *= rescale;
-                    for (int64_t d = 0; d < D; d++) acc[hq][d] *= rescale;
-                    m[hq] = top;
-                    for (int64_t t = 0; t < len; t++) {
-                        s[hq][t] = expf(s[hq][t] - top);
-                        l[hq] += s[hq][t];
-                    }
-                    page_values(s[hq], v, token_stride, len, D, acc[hq]);
+        for (int64_t lo = kv_start[b]; lo < end; lo += BLOCK) {
+            const int64_t hi = end - lo < BLOCK ? end : lo + BLOCK;
+            for (int64_t pos = lo; pos < hi;) {  /* scores of the block, a page run at a time */
+                const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
+                const int64_t len = (S - first < hi - pos) ? S - first : hi - pos;
+                /* fetch the next run's keys, and this run's values for after the softmax */
+                if (pos + len < end) {
+                    const int64_t nxt = pos + len;
+                    const int64_t np = page_table[b * max_pages + nxt / S], nf = nxt % S;
+                    const int64_t nlen = (S - nf < end - nxt) ? S - nf : end - nxt;
+                    prefetch_run(k_cache + (np * S + nf) * token_stride, nlen * token_stride);
                 }
+                prefetch_run(v_cache + (page * S + first) * token_stride, len * token_stride);
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    const float *k = k_cache + ((page * S + first) * num_kv_heads + h) * D;
+                    for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
+                        page_scores(qs[hq], k, token_stride, len, D, s[hq] + (pos - lo));
+                }
+                pos += len;
             }
-            pos += len;
+            for (int64_t hq = 0; hq < H; hq++) {  /* online softmax over the block */
+                float top = m[hq];
+                for (int64_t t = 0; t < hi - lo; t++) top = s[hq][t] > top ? s[hq][t] : top;
+                const float rescale = expf(m[hq] - top);
+                for (int64_t d = 0; d < D; d++) acc[hq][d] *= rescale;
+                l[hq] = l[hq] * rescale + exp_shift_sum(s[hq], hi - lo, top);
+                m[hq] = top;
+            }
+            for (int64_t pos = lo; pos < hi;) {  /* values, a page run at a time */
+                const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
+                const int64_t len = (S - first < hi - pos) ? S - first : hi - pos;
+                for (int64_t h = 0; h < num_kv_heads; h++) {
+                    const float *v = v_cache + ((page * S + first) * num_kv_heads + h) * D;
+                    for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
+                        page_values(s[hq] + (pos - lo), v, token_stride, len, D, acc[hq]);
+                }
+                pos += len;
+            }
         }
         for (int64_t hq = 0; hq < H; hq++) {
             const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;

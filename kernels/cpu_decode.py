@@ -91,19 +91,18 @@ def load() -> ctypes.CDLL | None:
               "slower torch path", file=sys.stderr)
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cpu_decode_limits.argtypes = [i64, i64, i64]
+    lib.cpu_decode_limits.argtypes = [i64, i64]
     lib.cpu_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
                                          i64, i64, i64, ctypes.c_float, ptr, ptr]
     lib.cpu_decode_attention.restype = None
     return lib
 
 
-def supports(dtype: torch.dtype, num_q_heads: int, num_kv_heads: int, head_dim: int,
-             page_size: int) -> bool:
-    """Whether the kernel can run this cache (float32, within its fixed buffers) and is built."""
+def supports(dtype: torch.dtype, num_q_heads: int, head_dim: int) -> bool:
+    """Whether the kernel can run this cache (float32, within its fixed buffers) and is built.
+    Any page size and any number of KV heads that divides num_q_heads works."""
     lib = load() if dtype == torch.float32 else None
-    return lib is not None and bool(
-        lib.cpu_decode_limits(num_q_heads, head_dim, page_size))
+    return lib is not None and bool(lib.cpu_decode_limits(num_q_heads, head_dim))
 
 
 def decode_attention(

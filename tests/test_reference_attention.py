@@ -84,9 +84,11 @@ def close(actual, expected, atol):
 
 # (query rows, context length, kv_start): decodes, whole prefills, chunks over earlier pages,
 # parts that start later (kv_start > 0), an empty part, a chunk partly before its kv_start,
-# and a sequence without queries this step.
+# a sequence without queries this step, and a decode over several of the C kernel's 128-key
+# blocks from a start inside a page.
 STEP = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (17, 17, 0), (37, 129, 0),
-        (129, 129, 0), (17, 37, 5), (1, 129, 100), (1, 37, 37), (17, 37, 30), (0, 17, 0)]
+        (129, 129, 0), (17, 37, 5), (1, 129, 100), (1, 37, 37), (17, 37, 30), (0, 17, 0),
+        (1, 300, 7)]
 
 
 def c_decode_twin(q, k_cache, v_cache, table, cu_q, ctx, start, scale):

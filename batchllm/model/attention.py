@@ -44,8 +44,7 @@ class _Ops:
     gathers_decodes: bool = True  # that index holds gather rows for the one-query sequences
 
 
-def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_heads: int,
-             head_dim: int, page_size: int) -> _Ops:
+def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_dim: int) -> _Ops:
     """Triton kernels on CUDA; on the CPU the twins, with decodes in C where it builds."""
     if device.type == "cuda":
         import kernels  # the Triton launchers, only where they can run
@@ -53,8 +52,7 @@ def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, num_kv_
         return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
                     kernels.merge_states, indexes_steps=False)
     paged = reference.paged_attention_ref
-    c_decode = device.type == "cpu" and cpu_decode.supports(dtype, num_q_heads, num_kv_heads,
-                                                            head_dim, page_size)
+    c_decode = device.type == "cpu" and cpu_decode.supports(dtype, num_q_heads, head_dim)
     if c_decode:
         paged = cpu_decode.paged_attention_cpu
     return _Ops(reference.store_kv_ref, paged, reference.prefix_attention_ref,
@@ -80,8 +78,7 @@ class PagedAttention:
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
         self.scale = head_dim**-0.5
-        self.ops = _ops_for(torch.device(device), dtype, num_heads, num_kv_heads, head_dim,
-                            page_size)
+        self.ops = _ops_for(torch.device(device), dtype, num_heads, head_dim)
         self.meta: StepMetadata | None = None
         self._step_index: tuple[StepMetadata, StepIndex] | None = None  # (for which meta, index)
 

@@ -15,6 +15,7 @@ from transformers import PretrainedConfig
 
 from batchllm.config import ConfigError
 from batchllm.model.attention import PagedAttention
+from batchllm.model.linear import Linear
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -71,14 +72,14 @@ def _rope_tables(config: PretrainedConfig, max_position: int) -> tuple[torch.Ten
 _CPU_MLP_BYTES = 24 << 20  # under glibc's 32 MiB mmap threshold (see engine/cpu_allocator.py)
 
 
-def _mlp_rows(x: torch.Tensor, w_gate_up: torch.Tensor) -> int:
+def _mlp_rows(x: torch.Tensor, gate_up_width: int) -> int:
     """Rows per MLP block. On the CPU, a long prefill step's [T, 2I] intermediate would be a
     fresh mapping page-faulted in at every layer (measured: 4x the page faults of the whole run);
     blocks of at most 24 MiB reuse heap memory and keep the products large (1,900 rows for
     SmolLM2-135M). Elsewhere one block."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
-    return max(128, _CPU_MLP_BYTES // (w_gate_up.shape[0] * x.element_size()))
+    return max(128, _CPU_MLP_BYTES // (gate_up_width * x.element_size()))
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
@@ -89,13 +90,15 @@ def _rotate_half(x: torch.Tensor) -> torch.Tensor:
 class _Layer:
     def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         att = prefix + "self_attn."
-        self.w_qkv = torch.cat([state[att + n + "_proj.weight"] for n in "qkv"])  # [(Hq+2Hkv)*D, H]
         bias = [state.get(att + n + "_proj.bias") for n in "qkv"]
-        self.b_qkv = torch.cat(bias) if all(b is not None for b in bias) else None
-        self.w_o = state[att + "o_proj.weight"]  # [H, Hq*D]
+        self.qkv = Linear(  # [(Hq+2Hkv)*D, H]
+            torch.cat([state[att + n + "_proj.weight"] for n in "qkv"]),
+            torch.cat(bias) if all(b is not None for b in bias) else None)
+        self.o = Linear(state[att + "o_proj.weight"])  # [H, Hq*D]
         mlp = prefix + "mlp."
-        self.w_gate_up = torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]])
-        self.w_down = state[mlp + "down_proj.weight"]  # [H, I]
+        self.gate_up = Linear(  # [2I, H]
+            torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]))
+        self.down = Linear(state[mlp + "down_proj.weight"])  # [H, I]
         self.norm_in = state[prefix + "input_layernorm.weight"]
         self.norm_post = state[prefix + "post_attention_layernorm.weight"]
 
@@ -112,7 +115,7 @@ class LlamaModel:
         self.shape = model_shape(config)
         self.eps = config.rms_norm_eps
         self.embed = state["model.embed_tokens.weight"]  # [V, H]
-        self.lm_head = state.get("lm_head.weight", self.embed)  # [V, H]
+        self.lm_head = Linear(state.get("lm_head.weight", self.embed))  # [V, H]
         self.norm = state["model.norm.weight"]
         self.layers = [_Layer(state, f"model.layers.{i}.") for i in range(self.shape.num_layers)]
         cos, sin = _rope_tables(config, max_position)
@@ -142,7 +145,7 @@ class LlamaModel:
         h = self.embed[input_ids]  # [T, H]
         for i, layer in enumerate(self.layers):
             x = self._rms_norm(h, layer.norm_in)
-            qkv = F.linear(x, layer.w_qkv, layer.b_qkv)  # [T, (Hq+2Hkv)*D]
+            qkv = layer.qkv(x)  # [T, (Hq+2Hkv)*D]
             q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
             q = q.view(t, hq, d)
             k = k.view(t, hkv, d)
@@ -150,16 +153,12 @@ class LlamaModel:
             k = k * cos + _rotate_half(k) * sin  # [T, Hkv, D]
             attention.store(i, k, v.view(t, hkv, d))
             o = attention.attend(i, q)  # [T, Hq, D]
-            h.add_(F.linear(o.reshape(t, hq * d), layer.w_o))  # in place: fewer fresh buffers
+            h.add_(layer.o(o.reshape(t, hq * d)))  # in place: fewer fresh buffers
             x = self._rms_norm(h, layer.norm_post)
-            block = _mlp_rows(x, layer.w_gate_up)
+            block = _mlp_rows(x, layer.gate_up.out_features)
             for lo in range(0, t, block):  # blocks of rows: bounded intermediate buffers
                 rows = slice(lo, lo + block)
-                gate, up = F.linear(x[rows], layer.w_gate_up).chunk(2, dim=-1)  # [t, I] each
-                h[rows] += F.linear(F.silu(gate, inplace=True).mul_(up), layer.w_down)
+                gate, up = layer.gate_up(x[rows]).chunk(2, dim=-1)  # [t, I] each
+                h[rows] += layer.down(F.silu(gate, inplace=True).mul_(up))
         h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
-        if h.device.type == "cpu":
-            # [V, H] @ [H, S]: on the CPU the product streams the large vocabulary matrix over
-            # both threads (measured 1.3-2.5x faster than h @ W^T at 4-16 rows, 1.2x at 64).
-            return torch.mm(self.lm_head, h.t()).t().contiguous().float()
-        return F.linear(h, self.lm_head).float()  # [S, V]
+        return self.lm_head(h).float()  # [S, V]
