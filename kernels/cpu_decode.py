@@ -1,94 +1,29 @@
-"""The CPU decode kernel (cpu_decode.c): built with the system C compiler on first use, cached,
-called through ctypes.
+"""The CPU decode kernel (cpu_decode.c), built and loaded by kernels/cpu_build.py.
 
 Why C: the torch twin of decode attention must gather every sequence's keys and values out of
 the pages into a padded copy before its products (reading them three times); the kernel reads
 them once, in place. On this project's 2-core machine it is 2.5-4x faster for 40 sequences of
 ~500 tokens. Prefill chunks and shared prefixes keep torch's fused flash kernel (reference.py).
-
-Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
-~/.cache/batchllm/kernels), keyed by the source, flags, compiler and CPU; OpenMP is torch's own
-runtime (libgomp from torch/lib, already loaded), so torch's thread count applies. Without a
-compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None and the twin runs.
+Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None and the twin runs.
 """
 
 from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
-import os
-import platform
-import shutil
-import subprocess
-import sys
-import tempfile
-from pathlib import Path
 
 import torch
 
+from kernels.cpu_build import load_library
 from kernels.reference import attend_chunks
 from kernels.step_index import StepIndex
-
-_SOURCE = Path(__file__).with_name("cpu_decode.c")
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared")
-
-
-def _torch_omp() -> Path | None:
-    """torch's bundled libgomp.so.1, or None (then the kernel is built without OpenMP)."""
-    lib = Path(torch.__file__).parent / "lib"
-    return lib if (lib / "libgomp.so.1").exists() else None
-
-
-def _cpu_id() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "".join(line for line in f if line.startswith(("model name", "flags")))
-    except OSError:
-        return platform.processor()
-
-
-def _build(compiler: str) -> Path:
-    omp = _torch_omp()
-    flags = list(_FLAGS) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
-                             check=True).stdout
-    key = hashlib.sha256("\0".join([_SOURCE.read_text(), *flags, version, platform.machine(),
-                                    _cpu_id()]).encode()).hexdigest()[:16]
-    env = os.environ.get("BATCHLLM_CACHE")
-    folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "kernels"
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-    except OSError:
-        folder = Path(tempfile.gettempdir())
-    target = folder / f"cpu_decode-{key}.so"
-    if not target.exists():
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
-        os.close(fd)
-        try:
-            subprocess.run([compiler, *flags, str(_SOURCE), "-o", tmp], check=True,
-                           capture_output=True, text=True)
-            os.replace(tmp, target)  # atomic: another process may build the same key
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-    return target
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (a warning says why, once)."""
-    if os.environ.get("BATCHLLM_CPU_KERNEL", "1") == "0":
-        return None
-    compiler = shutil.which(os.environ.get("CC", "cc"))
-    try:
-        if compiler is None:
-            raise OSError("no C compiler (set CC, or install gcc)")
-        lib = ctypes.CDLL(str(_build(compiler)))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        print(f"batchllm: the CPU decode kernel could not be built ({detail}); decoding uses the "
-              "slower torch path", file=sys.stderr)
+    lib = load_library("cpu_decode", "the CPU decode kernel")
+    if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_decode_limits.argtypes = [i64, i64]

@@ -10,12 +10,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from transformers import PretrainedConfig
 
 from batchllm.config import ConfigError
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
+from kernels.cpu_ops import pointwise_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -82,11 +82,6 @@ def _mlp_rows(x: torch.Tensor, gate_up_width: int) -> int:
     return max(128, _CPU_MLP_BYTES // (gate_up_width * x.element_size()))
 
 
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
 class _Layer:
     def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
         att = prefix + "self_attn."
@@ -122,12 +117,7 @@ class LlamaModel:
         self.cos = cos.to(self.embed.device)  # [P, D]
         self.sin = sin.to(self.embed.device)
         self.dtype = self.embed.dtype
-
-    def _rms_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-        # As Hugging Face's LlamaRMSNorm: the variance in float32, the weight in the model dtype.
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return weight * x32.to(x.dtype)
+        self.ops = pointwise_ops(self.embed.device, self.dtype)
 
     @torch.inference_mode()
     def forward(
@@ -140,25 +130,21 @@ class LlamaModel:
         s = self.shape
         t = input_ids.shape[0]
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        cos = self.cos[positions][:, None, :].to(self.dtype)  # [T, 1, D]
-        sin = self.sin[positions][:, None, :].to(self.dtype)
-        h = self.embed[input_ids]  # [T, H]
+        ops, eps = self.ops, self.eps
+        h = self.embed[input_ids]  # [T, H], the residual stream
         for i, layer in enumerate(self.layers):
-            x = self._rms_norm(h, layer.norm_in)
+            x = ops.add_rms_norm(h, None, layer.norm_in, eps)
             qkv = layer.qkv(x)  # [T, (Hq+2Hkv)*D]
-            q, k, v = qkv.split([hq * d, hkv * d, hkv * d], dim=-1)
-            q = q.view(t, hq, d)
-            k = k.view(t, hkv, d)
-            q = q * cos + _rotate_half(q) * sin  # [T, Hq, D]
-            k = k * cos + _rotate_half(k) * sin  # [T, Hkv, D]
-            attention.store(i, k, v.view(t, hkv, d))
+            ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv)  # q and k heads, in place
+            q = qkv[:, : hq * d].view(t, hq, d)
+            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
+            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
+            attention.store(i, k, v)
             o = attention.attend(i, q)  # [T, Hq, D]
-            h.add_(layer.o(o.reshape(t, hq * d)))  # in place: fewer fresh buffers
-            x = self._rms_norm(h, layer.norm_post)
+            x = ops.add_rms_norm(h, layer.o(o.reshape(t, hq * d)), layer.norm_post, eps)
             block = _mlp_rows(x, layer.gate_up.out_features)
             for lo in range(0, t, block):  # blocks of rows: bounded intermediate buffers
                 rows = slice(lo, lo + block)
-                gate, up = layer.gate_up(x[rows]).chunk(2, dim=-1)  # [t, I] each
-                h[rows] += layer.down(F.silu(gate, inplace=True).mul_(up))
-        h = self._rms_norm(h[sample_rows], self.norm)  # [S, H]
+                h[rows] += layer.down(ops.silu_mul(layer.gate_up(x[rows])))  # [t, 2I] -> [t, I]
+        h = ops.add_rms_norm(h[sample_rows], None, self.norm, eps)  # [S, H]
         return self.lm_head(h).float()  # [S, V]

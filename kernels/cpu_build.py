@@ -1,0 +1,86 @@
+"""Builds and loads the C kernels of the CPU path (kernels/*.c): with the system C compiler on
+first use, cached, called through ctypes.
+
+Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
+~/.cache/batchllm/kernels), keyed by the source and the headers beside it, the flags, the
+compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib, already loaded), so
+torch's thread count applies. Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load_library`
+returns None (a warning says why, once per library) and the torch twins run.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import torch
+
+_HERE = Path(__file__).parent
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared")
+
+
+def _torch_omp() -> Path | None:
+    """torch's bundled libgomp.so.1, or None (then the kernel is built without OpenMP)."""
+    lib = Path(torch.__file__).parent / "lib"
+    return lib if (lib / "libgomp.so.1").exists() else None
+
+
+def _cpu_id() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "".join(line for line in f if line.startswith(("model name", "flags")))
+    except OSError:
+        return platform.processor()
+
+
+def _build(name: str, compiler: str) -> Path:
+    source = _HERE / f"{name}.c"
+    omp = _torch_omp()
+    flags = list(_FLAGS) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
+    version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                             check=True).stdout
+    texts = [p.read_text() for p in [source, *sorted(_HERE.glob("*.h"))]]
+    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
+                                    _cpu_id()]).encode()).hexdigest()[:16]
+    env = os.environ.get("BATCHLLM_CACHE")
+    folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "kernels"
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        folder = Path(tempfile.gettempdir())
+    target = folder / f"{name}-{key}.so"
+    if not target.exists():
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
+        os.close(fd)
+        try:
+            subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True,
+                           capture_output=True, text=True)
+            os.replace(tmp, target)  # atomic: another process may build the same key
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    return target
+
+
+def load_library(name: str, what: str) -> ctypes.CDLL | None:
+    """kernels/{name}.c built and loaded, or None where it cannot be (`what` names it in the
+    warning). Callers cache the result and set the argument types."""
+    if os.environ.get("BATCHLLM_CPU_KERNEL", "1") == "0":
+        return None
+    compiler = shutil.which(os.environ.get("CC", "cc"))
+    try:
+        if compiler is None:
+            raise OSError("no C compiler (set CC, or install gcc)")
+        return ctypes.CDLL(str(_build(name, compiler)))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        print(f"batchllm: {what} could not be built ({detail}); the slower torch path runs",
+              file=sys.stderr)
+        return None

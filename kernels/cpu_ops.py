@@ -1,0 +1,115 @@
+"""The model's pointwise steps (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply):
+in C on the CPU (cpu_ops.c, built by kernels/cpu_build.py), each one pass over its rows, with
+torch twins written as Hugging Face's Llama modules compute them (used elsewhere, and the
+reference of the C versions in tests/test_cpu_ops.py).
+
+Why C: torch runs each of these as a chain of elementwise ops, one pass over memory each (RMSNorm
+six, the rotary embedding eight); over SmolLM2-135M's 30 layers they took ~6 s of a 77 s
+benchmark run on this project's 2-core machine.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+from typing import NamedTuple, Protocol
+
+import torch
+import torch.nn.functional as F
+
+from kernels.cpu_build import load_library
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernels, or None where they cannot be built (a warning says why, once)."""
+    lib = load_library("cpu_ops", "the CPU pointwise kernels")
+    if lib is None:
+        return None
+    i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
+    lib.cpu_add_rms_norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr]
+    lib.cpu_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.cpu_silu_mul.argtypes = [ptr, i64, i64, ptr]
+    for f in (lib.cpu_add_rms_norm, lib.cpu_rope, lib.cpu_silu_mul):
+        f.restype = None
+    return lib
+
+
+class _AddRmsNorm(Protocol):
+    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> torch.Tensor: ...
+
+
+class PointwiseOps(NamedTuple):
+    add_rms_norm: _AddRmsNorm  # (h [T,H], delta [T,H] or None, w [H], eps) -> [T,H]; h += delta
+    rope_: object  # (x [T, W], positions [T] int64, cos, sin [P, D], heads) -> None, in place
+    silu_mul: object  # (gate_up [T, 2I]) -> [T, I]
+
+
+def _rows(x: torch.Tensor) -> None:
+    if x.dtype != torch.float32 or not x.is_contiguous():
+        raise ValueError(f"cpu_ops: contiguous float32 rows expected, got {x.dtype} "
+                         f"{tuple(x.shape)} strides {x.stride()}")
+
+
+def add_rms_norm_c(h, delta, weight, eps):
+    _rows(h)
+    if delta is not None:
+        _rows(delta)
+    out = torch.empty_like(h)
+    load().cpu_add_rms_norm(h.data_ptr(), 0 if delta is None else delta.data_ptr(),
+                            weight.data_ptr(), eps, h.shape[0], h.shape[1], out.data_ptr())
+    return out
+
+
+def rope_c(x, positions, cos, sin, heads):
+    _rows(x)
+    d = cos.shape[1]
+    load().cpu_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, d,
+                    positions.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr())
+
+
+def silu_mul_c(gate_up):
+    _rows(gate_up)
+    t, width = gate_up.shape
+    out = gate_up.new_empty(t, width // 2)
+    load().cpu_silu_mul(gate_up.data_ptr(), t, width // 2, out.data_ptr())
+    return out
+
+
+def add_rms_norm_torch(h, delta, weight, eps):
+    if delta is not None:
+        h.add_(delta)
+    # As LlamaRMSNorm: the variance in float32, the weight in the model dtype.
+    x32 = h.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(h.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def rope_torch(x, positions, cos, sin, heads):
+    d = cos.shape[1]
+    c = cos[positions][:, None, :].to(x.dtype)  # [T, 1, D]
+    s = sin[positions][:, None, :].to(x.dtype)
+    part = x[:, : heads * d].view(x.shape[0], heads, d)
+    part.copy_(part * c + _rotate_half(part) * s)
+
+
+def silu_mul_torch(gate_up):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate, inplace=True).mul_(up)
+
+
+C_OPS = PointwiseOps(add_rms_norm_c, rope_c, silu_mul_c)
+TORCH_OPS = PointwiseOps(add_rms_norm_torch, rope_torch, silu_mul_torch)
+
+
+def pointwise_ops(device: torch.device, dtype: torch.dtype) -> PointwiseOps:
+    """C on the CPU in float32 where it builds; the torch twins elsewhere."""
+    if device.type == "cpu" and dtype == torch.float32 and load() is not None:
+        return C_OPS
+    return TORCH_OPS
