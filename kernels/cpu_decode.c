@@ -6,11 +6,13 @@
  * read straight out of the pages, with the online softmax of flash attention over blocks of
  * BLOCK keys: the block's scores (a page run at a time; all KV heads of a page are contiguous),
  * then its exponentials (8 at a time), then its values. The next page's keys and the current
- * page's values are prefetched while the scores are computed (the pages are scattered). Writes o[row] and lse[row] (natural-log sum-exp of
- * the scaled scores; o = 0 and lse = -inf for a sequence with no key).
+ * page's values are prefetched while the scores are computed (the pages are scattered).
+ * Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and lse = -inf
+ * for a sequence with no key).
  *
- * Shapes (float32, int32 indices, all contiguous):
- *   q, o [T, Hq, D]; lse [T, Hq]; k_cache, v_cache [num_pages, page_size, Hkv, D];
+ * Shapes (float32, int32 indices, contiguous but q's rows):
+ *   q [T, Hq, D] with rows q_stride floats apart; o [T, Hq, D]; lse [T, Hq];
+ *   k_cache, v_cache [num_pages, page_size, Hkv, D];
  *   page_table [B, max_pages]; context_lens, kv_start [B]; seqs, rows [n].
  * Query head hq reads KV head hq / (Hq / Hkv). Parallel over sequences with OpenMP (torch's own
  * runtime, so torch's thread count). AVX2 + FMA where the compiler targets them, else plain C.
@@ -74,7 +76,8 @@ static inline void page_values(const float *p, const float *v, int64_t stride, i
         for (int64_t t = 0; t < len; t++) {
             const __m256 pt = _mm256_set1_ps(p[t]);
             const float *vt = v + t * stride + d0;
-            for (int j = 0; j < 8; j++) a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
+            for (int j = 0; j < 8; j++)
+                a[j] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(vt + 8 * j), a[j]);
         }
         for (int j = 0; j < 8; j++) _mm256_storeu_ps(acc + d0 + 8 * j, a[j]);
     }
@@ -115,7 +118,8 @@ int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim) {
     return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM;
 }
 
-void cpu_decode_attention(const float *q, const float *k_cache, const float *v_cache,
+void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache,
                           const int32_t *page_table, int64_t max_pages,
                           const int32_t *context_lens, const int32_t *kv_start,
                           const int32_t *seqs, const int32_t *rows, int64_t n,
@@ -129,7 +133,7 @@ void cpu_decode_attention(const float *q, const float *k_cache, const float *v_c
         float s[MAX_HEADS][BLOCK], m[MAX_HEADS], l[MAX_HEADS];
         const int64_t b = seqs[i], row = rows[i];
         for (int64_t hq = 0; hq < H; hq++) {
-            const float *qh = q + (row * H + hq) * D;
+            const float *qh = q + row * q_stride + hq * D;
             m[hq] = -INFINITY;
             l[hq] = 0.f;
             for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }

@@ -3,7 +3,7 @@
 Why C: the torch twin of decode attention must gather every sequence's keys and values out of
 the pages into a padded copy before its products (reading them three times); the kernel reads
 them once, in place. On this project's 2-core machine it is 2.5-4x faster for 40 sequences of
-~500 tokens. Prefill chunks and shared prefixes keep torch's fused flash kernel (reference.py).
+~500 tokens. Prefill chunks have their own kernel (cpu_prefill.c).
 Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None and the twin runs.
 """
 
@@ -15,8 +15,6 @@ import functools
 import torch
 
 from kernels.cpu_build import load_library
-from kernels.reference import attend_chunks
-from kernels.step_index import StepIndex
 
 
 @functools.cache
@@ -27,7 +25,8 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_decode_limits.argtypes = [i64, i64]
-    lib.cpu_decode_attention.argtypes = [ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64, i64,
+    lib.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
+                                         i64,
                                          i64, i64, i64, ctypes.c_float, ptr, ptr]
     lib.cpu_decode_attention.restype = None
     return lib
@@ -54,7 +53,8 @@ def decode_attention(
     lse: torch.Tensor,  # [T, Hq] fp32, written at `rows`
 ) -> None:
     """Each one-query sequence's query against its keys kv_start .. context_len - 1."""
-    q = q.contiguous()
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # rows may be apart (a view of the qkv projection), heads not
     tables = [page_table.contiguous(), context_lens.contiguous(), kv_start.contiguous(),
               seqs.contiguous(), rows.contiguous()]
     for t in (k_cache, v_cache, o, lse):
@@ -65,28 +65,7 @@ def decode_attention(
     table, ctx, start, seqs, rows = tables
     _, hq, d = q.shape
     load().cpu_decode_attention(
-        q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(), table.shape[1],
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+        table.shape[1],
         ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.shape[0], hq,
         k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(), lse.data_ptr())
-
-
-def paged_attention_cpu(
-    q: torch.Tensor,  # [T, Hq, D]
-    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
-    v_cache: torch.Tensor,
-    page_table: torch.Tensor,  # [B, max_pages] int32
-    cu_q: torch.Tensor,  # [B+1] int32
-    context_lens: torch.Tensor,  # [B] int32
-    kv_start: torch.Tensor,  # [B] int32
-    scale: float,
-    step: StepIndex,  # index_step(..., gather_decodes=False)
-) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
-    """paged_attention_ref with its decodes in C: same arguments, same results (to rounding)."""
-    t, hq, d = q.shape
-    o = q.new_zeros(t, hq, d)
-    lse = torch.full((t, hq), float("-inf"), dtype=torch.float32)
-    if len(step.decode_seqs):
-        decode_attention(q, k_cache, v_cache, page_table, context_lens, kv_start,
-                         step.decode_seqs, step.decode_rows, scale, o, lse)
-    attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
-    return o, lse

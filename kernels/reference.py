@@ -162,15 +162,28 @@ def paged_attention_ref(
         return o, lse
     if step is None:
         step = index_step(page_table, cu_q, context_lens, kv_start, k_cache.shape[1], hkv)
-    if len(step.decode_seqs) and not step.decodes:
-        raise ValueError("paged_attention_ref: the step was indexed with gather_decodes=False")
+    if (len(step.decode_seqs) and not step.decodes) or (len(step.chunk_seqs) and not step.chunks):
+        raise ValueError("paged_attention_ref: the step was indexed without gather rows")
+    attend_decodes(q, k_cache, v_cache, step, scale, o, lse)
+    attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
+    return o, lse
+
+
+def attend_decodes(
+    q: torch.Tensor,  # [T, Hq, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,
+    step: StepIndex,
+    scale: float,
+    o: torch.Tensor,  # [T, Hq, D], written at the decodes' rows
+    lse: torch.Tensor,  # [T, Hq] fp32, written at the decodes' rows
+) -> None:
+    """The one-query sequences of a step, as padded batches of similar lengths."""
     for bucket in step.decodes:
         k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape)  # [B, Hkv, Tk, D]
         v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape)
         ob, lb = _attend_one_query(q[bucket.rows], k, v, bucket.bias, scale)
         o[bucket.rows], lse[bucket.rows] = ob, lb
-    attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
-    return o, lse
 
 
 def attend_chunks(

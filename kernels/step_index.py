@@ -39,9 +39,10 @@ class Chunk:
 @dataclass(frozen=True)
 class StepIndex:
     decodes: list[DecodeBucket]  # empty when built with gather_decodes=False
-    chunks: list[Chunk]
+    chunks: list[Chunk]  # empty when built with gather_chunks=False
     decode_seqs: torch.Tensor  # [n] int32, the one-query sequences (for the C decode kernel)
     decode_rows: torch.Tensor  # [n] int32, their query rows
+    chunk_seqs: torch.Tensor  # [m] int32, the sequences with several queries (C prefill kernel)
 
 
 def index_step(
@@ -52,10 +53,11 @@ def index_step(
     page_size: int,
     num_kv_heads: int,
     gather_decodes: bool = True,
+    gather_chunks: bool = True,
 ) -> StepIndex:
     """Index the keys of every sequence of a step (see paged_attention_ref for the meaning).
-    gather_decodes=False: no gather index for the one-query sequences (the C kernel reads
-    the pages itself)."""
+    gather_decodes=False / gather_chunks=False: no gather index for the one-query sequences /
+    the prefill chunks (a C kernel reads the pages itself)."""
     dev = page_table.device
     cu, ctx, start = cu_q.tolist(), context_lens.tolist(), kv_start.tolist()
     one_query = sorted((b for b in range(len(ctx)) if cu[b + 1] - cu[b] == 1),
@@ -78,16 +80,16 @@ def index_step(
         query_rows = torch.tensor([cu[b] for b in seqs], device=dev)
         decodes.append(DecodeBucket(query_rows, rows.reshape(-1), bias,
                                     (len(seqs), num_kv_heads, tk)))
+    several = [b for b in range(len(ctx)) if cu[b + 1] - cu[b] > 1]
     chunks = []
-    for b in range(len(ctx)):
+    for b in several if gather_chunks else []:
         n = cu[b + 1] - cu[b]
-        if n <= 1:
-            continue
         keys = torch.arange(start[b], ctx[b], device=dev)  # [Tk]
         rows = _heads_first_rows(page_table[b : b + 1], keys[None], page_size, num_kv_heads)
         queries = torch.arange(ctx[b] - n, ctx[b], device=dev)
         chunks.append(Chunk(slice(cu[b], cu[b + 1]), rows.reshape(-1), queries, keys))
-    return StepIndex(decodes, chunks, decode_seqs, decode_rows)
+    chunk_seqs = torch.tensor(several, dtype=torch.int32, device=dev)
+    return StepIndex(decodes, chunks, decode_seqs, decode_rows, chunk_seqs)
 
 
 def _heads_first_rows(

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_decode
+from kernels import cpu_attention, cpu_decode, cpu_prefill
 from kernels.reference import (
     merge_states_ref,
     paged_attention_ref,
@@ -84,24 +84,34 @@ def close(actual, expected, atol):
 
 # (query rows, context length, kv_start): decodes, whole prefills, chunks over earlier pages,
 # parts that start later (kv_start > 0), an empty part, a chunk partly before its kv_start,
-# a sequence without queries this step, and a decode over several of the C kernel's 128-key
-# blocks from a start inside a page.
+# a sequence without queries this step, and a decode and a chunk over several of the C kernels'
+# key blocks (128 and 64) from a start inside a page, the chunk over several 32-query blocks.
 STEP = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (17, 17, 0), (37, 129, 0),
         (129, 129, 0), (17, 37, 5), (1, 129, 100), (1, 37, 37), (17, 37, 30), (0, 17, 0),
-        (1, 300, 7)]
+        (1, 300, 7), (70, 300, 9)]
 
 
-def c_decode_twin(q, k_cache, v_cache, table, cu_q, ctx, start, scale):
-    """The CPU path with its decodes in C (kernels/cpu_decode.py)."""
-    if cpu_decode.load() is None:
-        pytest.skip("the C decode kernel could not be built here")
-    step = index_step(table, cu_q, ctx, start, k_cache.shape[1], k_cache.shape[2],
-                      gather_decodes=False)
-    return cpu_decode.paged_attention_cpu(q, k_cache, v_cache, table, cu_q, ctx, start, scale,
-                                          step)
+def c_kernels(decodes: bool, chunks: bool):
+    """The CPU path with its decodes and/or its prefill chunks in C (kernels/cpu_attention.py)."""
+
+    def attend(q, k_cache, v_cache, table, cu_q, ctx, start, scale):
+        if (decodes and cpu_decode.load() is None) or (chunks and cpu_prefill.load() is None):
+            pytest.skip("the C kernels could not be built here")
+        step = index_step(table, cu_q, ctx, start, k_cache.shape[1], k_cache.shape[2],
+                          gather_decodes=not decodes, gather_chunks=not chunks)
+        t, hq, d = q.shape
+        wide = torch.zeros(t, hq * d + 5)  # q as the engine passes it: rows of the qkv buffer
+        wide[:, : hq * d] = q.reshape(t, hq * d)
+        q = wide[:, : hq * d].view(t, hq, d)
+        return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, table, cu_q, ctx, start,
+                                                 scale, step)
+
+    return attend
 
 
-@pytest.mark.parametrize("impl", [paged_attention_ref, c_decode_twin], ids=["torch", "c-decode"])
+@pytest.mark.parametrize("impl", [paged_attention_ref, c_kernels(True, False),
+                                  c_kernels(False, True), c_kernels(True, True)],
+                         ids=["torch", "c-decode", "c-prefill", "c-both"])
 @pytest.mark.parametrize("d", [64, 128])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("page_size", [1, 5, 16])

@@ -1,7 +1,8 @@
 """The KV cache tensors and the attention of one step over them.
 
-On CUDA the Triton kernels run; elsewhere their pure-torch twins, with the decodes in C on the
-CPU where the kernel builds (kernels/cpu_decode.py). A step's attention is
+On CUDA the Triton kernels run; elsewhere their pure-torch twins, with the decodes and the
+prefill chunks in C on the CPU where the kernels build (kernels/cpu_attention.py).
+A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
 merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 and is all.
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_decode, reference
+from kernels import cpu_attention, cpu_decode, cpu_prefill, reference
 from kernels.step_index import StepIndex, index_step
 
 
@@ -42,21 +43,24 @@ class _Ops:
     merge_states: Callable
     indexes_steps: bool  # the twin: paged_attention takes a StepIndex built once per step
     gathers_decodes: bool = True  # that index holds gather rows for the one-query sequences
+    gathers_chunks: bool = True  # and for the prefill chunks
 
 
 def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_dim: int) -> _Ops:
-    """Triton kernels on CUDA; on the CPU the twins, with decodes in C where it builds."""
+    """Triton kernels on CUDA; on the CPU the twins, with decodes and prefill chunks in C where
+    the kernels build."""
     if device.type == "cuda":
         import kernels  # the Triton launchers, only where they can run
 
         return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
                     kernels.merge_states, indexes_steps=False)
-    paged = reference.paged_attention_ref
     c_decode = device.type == "cpu" and cpu_decode.supports(dtype, num_q_heads, head_dim)
-    if c_decode:
-        paged = cpu_decode.paged_attention_cpu
+    c_prefill = device.type == "cpu" and cpu_prefill.supports(dtype, head_dim)
+    paged = cpu_attention.paged_attention_cpu if c_decode or c_prefill else (
+        reference.paged_attention_ref)
     return _Ops(reference.store_kv_ref, paged, reference.prefix_attention_ref,
-                reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode)
+                reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode,
+                gathers_chunks=not c_prefill)
 
 
 class PagedAttention:
@@ -118,6 +122,7 @@ class PagedAttention:
         if self._step_index is None or self._step_index[0] is not m:
             _, _, page_size, hkv, _ = self.k_cache.shape
             index = index_step(m.page_table, m.cu_q, m.context_lens, m.kv_start, page_size, hkv,
-                               gather_decodes=self.ops.gathers_decodes)
+                               gather_decodes=self.ops.gathers_decodes,
+                               gather_chunks=self.ops.gathers_chunks)
             self._step_index = (m, index)
         return self._step_index[1]

@@ -1,0 +1,69 @@
+"""The CPU prefill-chunk attention kernel (cpu_prefill.c), built and loaded by kernels/cpu_build.py.
+
+Why C: torch's flash kernel needs each chunk's keys and values gathered out of the pages and its
+key heads repeated for grouped queries, and runs its blocks through small matrix products; the
+kernel reads the pages in place, skips the key blocks a causal query block cannot see, and keeps
+its tiles in registers. Without a compiler, with BATCHLLM_CPU_KERNEL=0 or a head size that is
+not a multiple of 16, the torch path (reference.attend_chunks) runs.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cpu_build import load_library
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built (a warning says why, once)."""
+    lib = load_library("cpu_prefill", "the CPU prefill attention kernel")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.cpu_prefill_supports.argtypes = [i64]
+    lib.cpu_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
+                                          i64,
+                                          i64, i64, i64, ctypes.c_float, ptr, ptr]
+    lib.cpu_prefill_attention.restype = None
+    return lib
+
+
+def supports(dtype: torch.dtype, head_dim: int) -> bool:
+    """float32, a head size that is a multiple of 16, and the kernel built."""
+    lib = load() if dtype == torch.float32 else None
+    return lib is not None and bool(lib.cpu_prefill_supports(head_dim))
+
+
+def prefill_attention(
+    q: torch.Tensor,  # [T, Hq, D] fp32
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D] fp32, contiguous
+    v_cache: torch.Tensor,
+    page_table: torch.Tensor,  # [B, max_pages] int32
+    cu_q: torch.Tensor,  # [B+1] int32
+    context_lens: torch.Tensor,  # [B] int32
+    kv_start: torch.Tensor,  # [B] int32
+    seqs: torch.Tensor,  # [n] int32, the sequences with several queries
+    scale: float,
+    o: torch.Tensor,  # [T, Hq, D] fp32, written at those sequences' rows
+    lse: torch.Tensor,  # [T, Hq] fp32, written at those sequences' rows
+) -> None:
+    """Each chunk's queries against its keys kv_start .. the query's own position (causal)."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()  # rows may be apart (a view of the qkv projection), heads not
+    tables = [t.contiguous() for t in (page_table, cu_q, context_lens, kv_start, seqs)]
+    for t in (k_cache, v_cache, o, lse):
+        if not t.is_contiguous():
+            raise ValueError("prefill_attention: caches and outputs must be contiguous")
+    if any(t.dtype != torch.int32 for t in tables):
+        raise TypeError("prefill_attention: page tables, lengths and indices are int32")
+    table, cu, ctx, start, seqs = tables
+    _, hq, d = q.shape
+    load().cpu_prefill_attention(
+        q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
+        table.shape[1],
+        cu.data_ptr(), ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(), seqs.shape[0], hq,
+        k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(), lse.data_ptr())

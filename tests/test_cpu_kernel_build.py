@@ -1,0 +1,63 @@
+"""Building the C kernels of the CPU path (kernels/cpu_build.py): built once into
+$BATCHLLM_CACHE/kernels and reused; without a compiler or with BATCHLLM_CPU_KERNEL=0 the engine's
+CPU path falls back to the torch twins (their results are checked against SDPA in
+test_reference_attention.py and against transformers in test_cpu_ops.py)."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+from batchllm.model.attention import PagedAttention
+from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_prefill
+
+LOADERS = (cpu_decode.load, cpu_prefill.load, cpu_ops.load)
+
+
+@pytest.fixture
+def fresh_load(monkeypatch, tmp_path):
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path))
+    for load in LOADERS:
+        load.cache_clear()
+    yield tmp_path
+    for load in LOADERS:
+        load.cache_clear()
+
+
+def cache() -> PagedAttention:
+    """A 2-layer cache of 8 pages of 16 tokens, 9 query and 3 KV heads of 64."""
+    return PagedAttention(2, 8, 16, 9, 3, 64, torch.float32, torch.device("cpu"))
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_built_once_into_the_cache_and_used(fresh_load):
+    assert all(load() is not None for load in LOADERS)
+    built = sorted((fresh_load / "kernels").glob("cpu_*.so"))
+    assert [p.name.rsplit("-", 1)[0] for p in built] == ["cpu_decode", "cpu_ops", "cpu_prefill"]
+    stamps = [p.stat().st_mtime_ns for p in built]
+    for load in LOADERS:
+        load.cache_clear()
+    assert all(load() is not None for load in LOADERS)
+    assert [p.stat().st_mtime_ns for p in built] == stamps  # reused, not rebuilt
+    attention = cache()
+    assert attention.ops.paged_attention is cpu_attention.paged_attention_cpu
+    assert not attention.ops.gathers_decodes and not attention.ops.gathers_chunks
+    assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.C_OPS
+
+
+def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
+    monkeypatch.setenv("CC", "no-such-compiler-here")
+    assert all(load() is None for load in LOADERS)
+    assert "could not be built" in capsys.readouterr().err
+    attention = cache()
+    assert attention.ops.gathers_decodes and attention.ops.gathers_chunks
+    assert attention.ops.paged_attention.__name__ == "paged_attention_ref"
+    assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.TORCH_OPS
+
+
+def test_switched_off(fresh_load, monkeypatch):
+    monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
+    assert all(load() is None for load in LOADERS)
+    assert cache().ops.gathers_decodes and cache().ops.gathers_chunks
