@@ -1,5 +1,6 @@
-/* Prefill-chunk attention on the CPU over the paged KV cache: the C twin of the chunk half of
- * paged_attention_ref (kernels/reference.py), built and loaded by kernels/cpu_prefill.py.
+/* Prefill-chunk and shared-prefix attention on the CPU over the paged KV cache: the C twin of the
+ * chunk half of paged_attention_ref and of prefix_attention_ref + merge_states_ref
+ * (kernels/reference.py), built and loaded by kernels/cpu_prefill.py.
  *
  * A sequence b of the step with n >= 2 queries (rows cu_q[b] .. cu_q[b+1] - 1, at positions
  * context_len - n .. context_len - 1) attends causally to its keys kv_start .. its own position.
@@ -125,34 +126,46 @@ static inline float exp_shift_sum(float *s, int64_t len, float top) {
 
 int cpu_prefill_supports(int64_t head_dim) { return head_dim % 16 == 0; }
 
-/* One work item: sequence b, KV head h, queries qi0 .. qi0 + nq - 1 of the sequence. */
-static void attend_block(const float *q, int64_t q_stride, const float *k_cache,
-                         const float *v_cache,
-                         const int32_t *table, int64_t first_row, int64_t first_pos,
-                         int64_t key_lo, int64_t qi0, int64_t nq, int64_t h, int64_t Hq,
-                         int64_t Hkv, int64_t D, int64_t S, float scale, Buffers *w, float *o,
-                         float *lse) {
+/* What every work item of a call shares. */
+typedef struct {
+    const float *q, *k_cache, *v_cache;
+    int64_t q_stride, Hq, Hkv, D, S;
+    float scale;
+    int causal; /* a query sees keys up to its own position (else all of key_lo .. key_end) */
+    int merge;  /* start from the state that o and lse hold (another part over other keys) */
+    float *o, *lse;
+} Call;
+
+/* One work item: KV head h, the queries qi0 .. qi0 + nq - 1 of a sequence (or group) whose
+ * queries sit at rows first_row.. and positions first_pos.., against keys key_lo .. key_end - 1
+ * in the pages of `table`. */
+static void attend_block(const Call *c, const int32_t *table, int64_t first_row,
+                         int64_t first_pos, int64_t key_lo, int64_t key_end, int64_t qi0,
+                         int64_t nq, int64_t h, Buffers *w) {
+    const int64_t Hq = c->Hq, Hkv = c->Hkv, D = c->D, S = c->S;
     const int64_t G = Hq / Hkv, R = nq * G, Rp = (R + RT - 1) / RT * RT;
-    const int64_t last_pos = first_pos + qi0 + nq - 1; /* the last query's position */
+    int64_t last_key = key_end - 1; /* the last key any query of the block sees */
+    if (c->causal && first_pos + qi0 + nq - 1 < last_key) last_key = first_pos + qi0 + nq - 1;
     for (int64_t r = 0; r < Rp; r++) {
-        const int64_t qi = r / G, g = r % G;
-        for (int64_t d = 0; d < D; d++) {
-            const int64_t at = (first_row + qi0 + qi) * q_stride + (h * G + g) * D + d;
-            w->q[r * D + d] = r < R ? q[at] * scale : 0.f;
-            w->o[r * D + d] = 0.f;
-        }
-        w->m[r] = -INFINITY;
-        w->l[r] = 0.f;
+        const int64_t qi = r / G, head = h * G + r % G, row = first_row + qi0 + qi;
+        for (int64_t d = 0; d < D; d++)
+            w->q[r * D + d] = r < R ? c->q[row * c->q_stride + head * D + d] * c->scale : 0.f;
+        const float prior = r < R && c->merge ? c->lse[row * Hq + head] : -INFINITY;
+        const int seen = prior > -INFINITY; /* the normalized part: m = lse, l = 1, o */
+        const float *prior_o = c->o + (row * Hq + head) * D;
+        for (int64_t d = 0; d < D; d++) w->o[r * D + d] = seen ? prior_o[d] : 0.f;
+        w->m[r] = prior;
+        w->l[r] = seen ? 1.f : 0.f;
     }
-    for (int64_t k0 = key_lo; k0 <= last_pos; k0 += KB) {
-        const int64_t nk = last_pos + 1 - k0 < KB ? last_pos + 1 - k0 : KB;
+    for (int64_t k0 = key_lo; k0 <= last_key; k0 += KB) {
+        const int64_t nk = last_key + 1 - k0 < KB ? last_key + 1 - k0 : KB;
         const int64_t nkp = (nk + 15) / 16 * 16;
         for (int64_t t = 0; t < nkp; t++) { /* the block's keys (transposed) and values */
             if (t < nk) {
                 const int64_t pos = k0 + t;
                 const int64_t slot = (int64_t)table[pos / S] * S + pos % S;
-                const float *kp = k_cache + (slot * Hkv + h) * D;
-                const float *vp = v_cache + (slot * Hkv + h) * D;
+                const float *kp = c->k_cache + (slot * Hkv + h) * D;
+                const float *vp = c->v_cache + (slot * Hkv + h) * D;
                 for (int64_t d = 0; d < D; d++) {
                     w->kt[d * KB + t] = kp[d];
                     w->v[t * D + d] = vp[d];
@@ -165,8 +178,7 @@ static void attend_block(const float *q, int64_t q_stride, const float *k_cache,
             for (int64_t t0 = 0; t0 < nkp; t0 += 16) score_tile(w->q, w->kt, D, r0, t0, w->s);
         for (int64_t r = 0; r < Rp; r++) { /* causal limit, online softmax */
             float *s = w->s + r * KB;
-            const int64_t qpos = first_pos + qi0 + r / G;
-            int64_t valid = r < R ? qpos - k0 + 1 : 0;
+            int64_t valid = r < R ? (c->causal ? first_pos + qi0 + r / G - k0 + 1 : nk) : 0;
             valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
             if (valid > 0) {
                 const float top = row_max(s, valid, w->m[r]);
@@ -182,28 +194,26 @@ static void attend_block(const float *q, int64_t q_stride, const float *k_cache,
             for (int64_t d0 = 0; d0 < D; d0 += 16) value_tile(w->s, w->v, D, nkp, r0, d0, w->o);
     }
     for (int64_t r = 0; r < R; r++) {
-        const int64_t qi = r / G, g = r % G, row = first_row + qi0 + qi;
+        const int64_t head = h * G + r % G, row = first_row + qi0 + r / G;
         const float l = w->l[r], inv = l > 0.f ? 1.f / l : 0.f;
-        for (int64_t d = 0; d < D; d++) o[(row * Hq + h * G + g) * D + d] = w->o[r * D + d] * inv;
-        lse[row * Hq + h * G + g] = l > 0.f ? w->m[r] + logf(l) : -INFINITY;
+        for (int64_t d = 0; d < D; d++) c->o[(row * Hq + head) * D + d] = w->o[r * D + d] * inv;
+        c->lse[row * Hq + head] = l > 0.f ? w->m[r] + logf(l) : -INFINITY;
     }
 }
 
-void cpu_prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
-                           const float *v_cache,
-                           const int32_t *page_table, int64_t max_pages, const int32_t *cu_q,
-                           const int32_t *context_lens, const int32_t *kv_start,
-                           const int32_t *seqs, int64_t n, int64_t num_q_heads,
-                           int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale,
-                           float *o, float *lse) {
-    const int64_t Hq = num_q_heads, Hkv = num_kv_heads, D = head_dim;
+/* Every (sequence, KV head, block of QB queries) of the n sequences `seqs` (NULL: 0 .. n-1),
+ * in parallel. Sequence b: query rows cu_q[b] .. cu_q[b+1] - 1, keys kv_start[b] (NULL: 0) ..
+ * key_end[b] - 1 in page_table row b, queries at the last positions before key_end[b]. */
+static void run(const Call *c, const int32_t *page_table, int64_t max_pages, const int32_t *cu_q,
+                const int32_t *key_end, const int32_t *kv_start, const int32_t *seqs, int64_t n) {
     int64_t *first_item = malloc((n + 1) * sizeof(int64_t)); /* work items of seqs[0 .. i) */
     first_item[0] = 0;
     for (int64_t i = 0; i < n; i++) {
-        const int64_t b = seqs[i], nq = cu_q[b + 1] - cu_q[b];
-        first_item[i + 1] = first_item[i] + Hkv * ((nq + QB - 1) / QB);
+        const int64_t b = seqs ? seqs[i] : i, nq = cu_q[b + 1] - cu_q[b];
+        first_item[i + 1] = first_item[i] + c->Hkv * ((nq + QB - 1) / QB);
     }
-    const int64_t items = first_item[n], Rp = (QB * (Hq / Hkv) + RT - 1) / RT * RT;
+    const int64_t items = first_item[n], D = c->D;
+    const int64_t Rp = (QB * (c->Hq / c->Hkv) + RT - 1) / RT * RT;
 #pragma omp parallel
     {
         Buffers w;
@@ -220,15 +230,40 @@ void cpu_prefill_attention(const float *q, int64_t q_stride, const float *k_cach
         for (int64_t item = 0; item < items; item++) {
             while (first_item[i + 1] <= item) i++; /* items ascend within a thread */
             while (first_item[i] > item) i--;
-            const int64_t b = seqs[i], nq_all = cu_q[b + 1] - cu_q[b];
+            const int64_t b = seqs ? seqs[i] : i, nq_all = cu_q[b + 1] - cu_q[b];
             const int64_t blocks = (nq_all + QB - 1) / QB, local = item - first_item[i];
             const int64_t h = local / blocks, qi0 = (local % blocks) * QB;
             const int64_t nq = nq_all - qi0 < QB ? nq_all - qi0 : QB;
-            attend_block(q, q_stride, k_cache, v_cache, page_table + b * max_pages, cu_q[b],
-                         context_lens[b] - nq_all, kv_start[b], qi0, nq, h, Hq, Hkv, D,
-                         page_size, scale, &w, o, lse);
+            attend_block(c, page_table + b * max_pages, cu_q[b], key_end[b] - nq_all,
+                         kv_start ? kv_start[b] : 0, key_end[b], qi0, nq, h, &w);
         }
         free(mem);
     }
     free(first_item);
+}
+
+/* Prefill chunks: sequence seqs[i]'s queries attend causally to keys kv_start .. their own
+ * position; writes their rows of o and lse. */
+void cpu_prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
+                           const float *v_cache, const int32_t *page_table, int64_t max_pages,
+                           const int32_t *cu_q, const int32_t *context_lens,
+                           const int32_t *kv_start, const int32_t *seqs, int64_t n,
+                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t page_size, float scale, float *o, float *lse) {
+    const Call c = {q, k_cache, v_cache, q_stride, num_q_heads, num_kv_heads, head_dim,
+                    page_size, scale, 1, 0, o, lse};
+    run(&c, page_table, max_pages, cu_q, context_lens, kv_start, seqs, n);
+}
+
+/* Shared prefixes: group g's query rows cu_q[g] .. cu_q[g+1] - 1 attend to all of its prefix
+ * keys 0 .. prefix_lens[g] - 1 (pages prefix_pages[g]), merged into the state o and lse already
+ * hold for those rows (their own part, by the log-sum-exp rule). */
+void cpu_prefix_attention(const float *q, int64_t q_stride, const float *k_cache,
+                          const float *v_cache, const int32_t *prefix_pages, int64_t max_pages,
+                          const int32_t *cu_q, const int32_t *prefix_lens, int64_t groups,
+                          int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
+                          int64_t page_size, float scale, float *o, float *lse) {
+    const Call c = {q, k_cache, v_cache, q_stride, num_q_heads, num_kv_heads, head_dim,
+                    page_size, scale, 0, 1, o, lse};
+    run(&c, prefix_pages, max_pages, cu_q, prefix_lens, 0, 0, groups);
 }

@@ -88,6 +88,28 @@ def test_greedy_matches_transformers(kind: str, sharing: bool, name: str) -> Non
     assert metrics["preemptions"] == 0
 
 
+@pytest.mark.parametrize("sharing", [True, False])
+def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None:
+    """BATCHLLM_CPU_KERNEL=0 (or no C compiler): every part of the CPU path in torch."""
+    from kernels import cpu_decode, cpu_ops, cpu_prefill
+
+    loaders = (cpu_decode.load, cpu_prefill.load, cpu_ops.load)
+    monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
+    for load in loaders:
+        load.cache_clear()
+    try:
+        llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu",
+                  kv_cache_memory=64 << 20, prefix_sharing=sharing, max_batched_tokens=29)
+        assert llm.engine.attention.ops.paged_attention.__name__ == "paged_attention_ref"
+        assert llm.engine.loaded.model.ops is cpu_ops.TORCH_OPS
+        outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    finally:
+        for load in loaders:
+            load.cache_clear()
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference("llama"))):
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+
+
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 @pytest.mark.parametrize("sharing", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -184,22 +184,27 @@ def cascade_case(page_size, prefix_lens, d, gen):
     return ks, vs, reqs, k_cache, v_cache, table, prefix_pages
 
 
-def run_cascade(paged, prefix, merge, q, k_cache, v_cache, table, prefix_pages, reqs, plens,
-                scale):
-    """Cascade (prefix part + own part from kv_start = prefix_len, merged) and the full paged
-    attention from 0 -> ((o, lse), (o, lse))."""
+def cascade_args(reqs, plens):
+    """-> cu_q, context_lens, kv_start (= the group's prefix length) per request; cu_q of the
+    groups; prefix lengths."""
     qlens = [m for _, _, m in reqs]
     cu_q = torch.tensor([0] + qlens).cumsum(0).int()
     ctx = torch.tensor([c for _, c, _ in reqs], dtype=torch.int32)
     start = torch.tensor([plens[g] for g, _, _ in reqs], dtype=torch.int32)
     per_group = [sum(m for g, _, m in reqs if g == i) for i in range(len(plens))]
     cu_g = torch.tensor([0] + per_group).cumsum(0).int()
-    lens = torch.tensor(plens, dtype=torch.int32)
+    return cu_q, ctx, start, cu_g, torch.tensor(plens, dtype=torch.int32)
+
+
+def run_cascade(paged, prefix, merge, q, k_cache, v_cache, table, prefix_pages, reqs, plens,
+                scale):
+    """Cascade (prefix part + own part from kv_start = prefix_len, merged) and the full paged
+    attention from 0 -> ((o, lse), (o, lse))."""
+    cu_q, ctx, start, cu_g, lens = cascade_args(reqs, plens)
     o_p, l_p = prefix(q, k_cache, v_cache, prefix_pages, lens, cu_g, scale)
     o_s, l_s = paged(q, k_cache, v_cache, table, cu_q, ctx, start, scale)
     full = paged(q, k_cache, v_cache, table, cu_q, ctx, torch.zeros_like(start), scale)
     return merge(o_p, l_p, o_s, l_s), full
-
 
 @pytest.mark.parametrize("prefix_lens", [(1, 129), (17, 37), (0, 16)])
 @pytest.mark.parametrize("gqa", [1, 3])
@@ -215,6 +220,33 @@ def test_cascade_equals_full_attention(page_size, prefix_lens, gqa):
         table, prefix_pages, reqs, list(prefix_lens), d**-0.5)
     close(o, o_full, 1e-5)
     close(lse, lse_full, 1e-5)
+    row = 0
+    for b, (_, c, m) in enumerate(reqs):
+        eo, el = sdpa_reference(q[row : row + m], ks[b], vs[b], torch.arange(c - m, c), 0,
+                                d**-0.5)
+        close(o[row : row + m], eo, 1e-5)
+        close(lse[row : row + m], el, 1e-5)
+        row += m
+
+
+
+@pytest.mark.parametrize("prefix_lens", [(1, 129), (17, 37), (0, 16), (200, 70)])
+@pytest.mark.parametrize("gqa", [1, 3])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_c_cascade_equals_full_attention(page_size, prefix_lens, gqa):
+    """The C path: own parts by the C kernels, then each group's prefix part merged into them in
+    place (cpu_prefill.prefix_attention_into) = full attention from position 0."""
+    if cpu_prefill.load() is None or cpu_decode.load() is None:
+        pytest.skip("the C kernels could not be built here")
+    gen = torch.Generator().manual_seed(page_size + gqa + sum(prefix_lens))
+    d, hq = 64, HKV * gqa
+    ks, vs, reqs, k_cache, v_cache, table, prefix_pages = cascade_case(
+        page_size, prefix_lens, d, gen)
+    q = torch.randn(sum(m for _, _, m in reqs), hq, d, generator=gen)
+    cu_q, ctx, start, cu_g, lens = cascade_args(reqs, list(prefix_lens))
+    o, lse = c_kernels(True, True)(q, k_cache, v_cache, table, cu_q, ctx, start, d**-0.5)
+    cpu_prefill.prefix_attention_into(q, k_cache, v_cache, prefix_pages, lens, cu_g, d**-0.5,
+                                      o, lse)
     row = 0
     for b, (_, c, m) in enumerate(reqs):
         eo, el = sdpa_reference(q[row : row + m], ks[b], vs[b], torch.arange(c - m, c), 0,

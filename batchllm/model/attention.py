@@ -44,6 +44,7 @@ class _Ops:
     indexes_steps: bool  # the twin: paged_attention takes a StepIndex built once per step
     gathers_decodes: bool = True  # that index holds gather rows for the one-query sequences
     gathers_chunks: bool = True  # and for the prefill chunks
+    prefix_into: Callable | None = None  # prefix part merged into (o, lse) in place (C)
 
 
 def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_dim: int) -> _Ops:
@@ -60,7 +61,8 @@ def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_di
         reference.paged_attention_ref)
     return _Ops(reference.store_kv_ref, paged, reference.prefix_attention_ref,
                 reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode,
-                gathers_chunks=not c_prefill)
+                gathers_chunks=not c_prefill,
+                prefix_into=cpu_prefill.prefix_attention_into if c_prefill else None)
 
 
 class PagedAttention:
@@ -107,7 +109,10 @@ class PagedAttention:
         o, lse = self.ops.paged_attention(
             q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale, **extra
         )
-        if m.cascade_rows:
+        if m.cascade_rows and self.ops.prefix_into is not None:
+            self.ops.prefix_into(q, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q,
+                                 self.scale, o, lse)
+        elif m.cascade_rows:
             n = m.cascade_rows
             qc = q[:n]
             o_pre, lse_pre = self.ops.prefix_attention(
