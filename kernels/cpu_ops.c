@@ -1,6 +1,7 @@
 /* The model's pointwise steps on the CPU, each one pass over its rows instead of torch's chain
- * of elementwise ops (each a pass over memory): built and loaded by kernels/cpu_ops.py, whose
- * torch twins (the formulas of Hugging Face's Llama modules) they are checked against.
+ * of elementwise ops (each a pass over memory), and the KV store: built and loaded by
+ * kernels/cpu_ops.py, whose torch twins (the formulas of Hugging Face's Llama modules, and
+ * reference.store_kv_ref) they are checked against.
  *
  * Shapes (float32, contiguous rows): see each function. Rows run in parallel with OpenMP (torch's
  * own runtime). AVX2 + FMA for e^x where the compiler targets them, else plain C.
@@ -66,5 +67,20 @@ void cpu_silu_mul(const float *gate_up, int64_t T, int64_t I, float *out) {
         }
 #endif
         for (; i < I; i++) o[i] = g[i] / (1.f + expf(-g[i])) * u[i];
+    }
+}
+
+/* k_cache row slots[t] = k row t, v likewise; a row is `width` floats (Hkv * D), k's rows
+ * k_stride floats apart (views of the qkv projection), the caches' rows contiguous. */
+void cpu_store_kv(const float *k, int64_t k_stride, const float *v, int64_t v_stride, int64_t T,
+                  int64_t width, const int64_t *slots, float *k_cache, float *v_cache) {
+#pragma omp parallel for schedule(static)
+    for (int64_t t = 0; t < T; t++) {
+        float *kd = k_cache + slots[t] * width, *vd = v_cache + slots[t] * width;
+        const float *ks = k + t * k_stride, *vs = v + t * v_stride;
+        for (int64_t i = 0; i < width; i++) {
+            kd[i] = ks[i];
+            vd[i] = vs[i];
+        }
     }
 }

@@ -44,6 +44,7 @@ def test_built_once_into_the_cache_and_used(fresh_load):
     attention = cache()
     assert attention.ops.paged_attention is cpu_attention.paged_attention_cpu
     assert not attention.ops.gathers_decodes and not attention.ops.gathers_chunks
+    assert attention.ops.store_kv is cpu_ops.store_kv_c
     assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.C_OPS
 
 
@@ -54,6 +55,7 @@ def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
     attention = cache()
     assert attention.ops.gathers_decodes and attention.ops.gathers_chunks
     assert attention.ops.paged_attention.__name__ == "paged_attention_ref"
+    assert attention.ops.store_kv.__name__ == "store_kv_ref"
     assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.TORCH_OPS
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, cpu_decode, cpu_prefill
+from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_prefill
 from kernels.reference import (
     merge_states_ref,
     paged_attention_ref,
@@ -280,6 +280,21 @@ def test_merge_states_matches_logaddexp():
     assert torch.equal(o[2], torch.zeros_like(o[2])) and torch.isinf(lse[2]).all()
     torch.testing.assert_close(o[0], o_b[0])  # a empty: b unchanged
     torch.testing.assert_close(o[1], o_a[1])
+
+
+def test_c_store_kv_equals_the_twin():
+    if cpu_ops.load() is None:
+        pytest.skip("the C kernels could not be built here")
+    gen = torch.Generator().manual_seed(6)
+    qkv = torch.randn(5, (3 + 2 * 2) * HKV * 8, generator=gen)  # rows of a qkv projection
+    k = qkv[:, 3 * HKV * 8 : 4 * HKV * 8].view(5, HKV, 8)  # rows apart, heads contiguous
+    v = qkv[:, 4 * HKV * 8 : 5 * HKV * 8].view(5, HKV, 8)
+    slots = torch.tensor([0, 17, 63, 5, 40])
+    caches = [torch.randn(4, 16, HKV, 8, generator=gen) for _ in range(2)]
+    expected = [c.clone() for c in caches]
+    store_kv_ref(k, v, *expected, slots)
+    cpu_ops.store_kv_c(k, v, *caches, slots)
+    assert torch.equal(caches[0], expected[0]) and torch.equal(caches[1], expected[1])
 
 
 def test_store_kv_writes_slots():
