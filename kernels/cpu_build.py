@@ -84,3 +84,17 @@ def load_library(name: str, what: str) -> ctypes.CDLL | None:
         print(f"batchllm: {what} could not be built ({detail}); the slower torch path runs",
               file=sys.stderr)
         return None
+
+
+def attention_args(what: str, q, dense, indices):
+    """The attention kernels' arguments made ready for C: q with its heads contiguous (its rows
+    may be apart: a view of the qkv projection), the caches and outputs (`dense`) contiguous, the
+    page tables, lengths and indices contiguous int32. Returns (q, indices)."""
+    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
+        q = q.contiguous()
+    if not all(t.is_contiguous() for t in dense):
+        raise ValueError(f"{what}: caches and outputs must be contiguous")
+    indices = [t.contiguous() for t in indices]
+    if any(t.dtype != torch.int32 for t in indices):
+        raise TypeError(f"{what}: page tables, lengths and indices are int32")
+    return q, indices

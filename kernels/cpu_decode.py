@@ -14,7 +14,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import attention_args, load_library
 
 
 @functools.cache
@@ -26,8 +26,7 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_decode_limits.argtypes = [i64, i64]
     lib.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                                         i64,
-                                         i64, i64, i64, ctypes.c_float, ptr, ptr]
+                                         i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
     lib.cpu_decode_attention.restype = None
     return lib
 
@@ -53,19 +52,12 @@ def decode_attention(
     lse: torch.Tensor,  # [T, Hq] fp32, written at `rows`
 ) -> None:
     """Each one-query sequence's query against its keys kv_start .. context_len - 1."""
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()  # rows may be apart (a view of the qkv projection), heads not
-    tables = [page_table.contiguous(), context_lens.contiguous(), kv_start.contiguous(),
-              seqs.contiguous(), rows.contiguous()]
-    for t in (k_cache, v_cache, o, lse):
-        if not t.is_contiguous():
-            raise ValueError("decode_attention: caches and outputs must be contiguous")
-    if any(t.dtype != torch.int32 for t in tables):
-        raise TypeError("decode_attention: page tables, lengths and indices are int32")
-    table, ctx, start, seqs, rows = tables
+    q, (table, ctx, start, seqs, rows) = attention_args(
+        "decode_attention", q, (k_cache, v_cache, o, lse),
+        (page_table, context_lens, kv_start, seqs, rows))
     _, hq, d = q.shape
     load().cpu_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
-        table.shape[1],
-        ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(), rows.data_ptr(), seqs.shape[0], hq,
-        k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(), lse.data_ptr())
+        table.shape[1], ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(), rows.data_ptr(),
+        seqs.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(),
+        lse.data_ptr())

@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import NamedTuple, Protocol
+from collections.abc import Callable
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -38,15 +39,10 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-class _AddRmsNorm(Protocol):
-    def __call__(self, h: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
-                 eps: float) -> torch.Tensor: ...
-
-
 class PointwiseOps(NamedTuple):
-    add_rms_norm: _AddRmsNorm  # (h [T,H], delta [T,H] or None, w [H], eps) -> [T,H]; h += delta
-    rope_: object  # (x [T, W], positions [T] int64, cos, sin [P, D], heads) -> None, in place
-    silu_mul: object  # (gate_up [T, 2I]) -> [T, I]
+    add_rms_norm: Callable  # (h [T,H], delta [T,H] or None, w [H], eps) -> [T,H]; h += delta
+    rope_: Callable  # (x [T, W], positions [T] int64, cos, sin [P, D], heads) -> None, in place
+    silu_mul: Callable  # (gate_up [T, 2I]) -> [T, I]
 
 
 def _rows(x: torch.Tensor) -> None:
@@ -57,6 +53,7 @@ def _rows(x: torch.Tensor) -> None:
 
 def add_rms_norm_c(h, delta, weight, eps):
     _rows(h)
+    _rows(weight)
     if delta is not None:
         _rows(delta)
     out = torch.empty_like(h)
@@ -68,8 +65,13 @@ def add_rms_norm_c(h, delta, weight, eps):
 def rope_c(x, positions, cos, sin, heads):
     _rows(x)
     d = cos.shape[1]
-    load().cpu_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, d,
-                    positions.contiguous().data_ptr(), cos.data_ptr(), sin.data_ptr())
+    _rows(cos)
+    _rows(sin)
+    positions = positions.to(torch.int64).contiguous()
+    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(cos):
+        raise IndexError(f"rope_c: positions outside the table of {len(cos)}")
+    load().cpu_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, d, positions.data_ptr(),
+                    cos.data_ptr(), sin.data_ptr())
 
 
 def silu_mul_c(gate_up):

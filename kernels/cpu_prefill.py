@@ -16,7 +16,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu_build import attention_args, load_library
 
 
 @functools.cache
@@ -28,8 +28,7 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_prefill_supports.argtypes = [i64]
     lib.cpu_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                                          i64,
-                                          i64, i64, i64, ctypes.c_float, ptr, ptr]
+                                          i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
     lib.cpu_prefill_attention.restype = None
     lib.cpu_prefix_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
                                          i64, i64, ctypes.c_float, ptr, ptr]
@@ -57,8 +56,9 @@ def prefill_attention(
     lse: torch.Tensor,  # [T, Hq] fp32, written at those sequences' rows
 ) -> None:
     """Each chunk's queries against its keys kv_start .. the query's own position (causal)."""
-    q, (table, cu, ctx, start, seqs) = _checked(
-        q, (k_cache, v_cache, o, lse), (page_table, cu_q, context_lens, kv_start, seqs))
+    q, (table, cu, ctx, start, seqs) = attention_args(
+        "prefill_attention", q, (k_cache, v_cache, o, lse),
+        (page_table, cu_q, context_lens, kv_start, seqs))
     _, hq, d = q.shape
     load().cpu_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
@@ -80,23 +80,11 @@ def prefix_attention_into(
 ) -> None:
     """Each group's queries against all its prefix keys, merged into the state o and lse hold:
     prefix_attention_ref + merge_states_ref in one pass."""
-    q, (pages, lens, cu) = _checked(q, (k_cache, v_cache, o, lse),
-                                     (prefix_pages, prefix_lens, cu_q))
+    q, (pages, lens, cu) = attention_args("prefix_attention_into", q, (k_cache, v_cache, o, lse),
+                                          (prefix_pages, prefix_lens, cu_q))
     _, hq, d = q.shape
     load().cpu_prefix_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), pages.data_ptr(),
         pages.shape[1], cu.data_ptr(), lens.data_ptr(), lens.shape[0], hq, k_cache.shape[2], d,
         k_cache.shape[1], scale, o.data_ptr(), lse.data_ptr())
 
-
-def _checked(q, dense, indices):
-    """q with heads contiguous (its rows may be apart: a view of the qkv projection), the caches
-    and outputs contiguous, the indices contiguous int32."""
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()
-    if not all(t.is_contiguous() for t in dense):
-        raise ValueError("cpu_prefill: caches and outputs must be contiguous")
-    indices = [t.contiguous() for t in indices]
-    if any(t.dtype != torch.int32 for t in indices):
-        raise TypeError("cpu_prefill: page tables, lengths and indices are int32")
-    return q, indices

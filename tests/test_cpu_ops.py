@@ -82,3 +82,10 @@ def test_non_contiguous_rows_are_refused():
     c_ops()
     with pytest.raises(ValueError, match="contiguous float32"):
         cpu_ops.C_OPS.silu_mul(torch.randn(4, 16)[:, ::2])
+
+
+def test_rope_refuses_positions_outside_the_table():
+    c_ops()
+    table = torch.zeros(8, 4)
+    with pytest.raises(IndexError, match="outside the table"):
+        cpu_ops.C_OPS.rope_(torch.zeros(2, 8), torch.tensor([3, 8]), table, table, 2)

@@ -75,7 +75,7 @@ _CPU_MLP_BYTES = 24 << 20  # under glibc's 32 MiB mmap threshold (see engine/cpu
 def _mlp_rows(x: torch.Tensor, gate_up_width: int) -> int:
     """Rows per MLP block. On the CPU, a long prefill step's [T, 2I] intermediate would be a
     fresh mapping page-faulted in at every layer (measured: 4x the page faults of the whole run);
-    blocks of at most 24 MiB reuse heap memory and keep the products large (1,900 rows for
+    blocks of at most 24 MiB reuse heap memory and keep the products large (2,048 rows for
     SmolLM2-135M). Elsewhere one block."""
     if x.device.type != "cpu":
         return max(1, x.shape[0])
@@ -117,7 +117,7 @@ class LlamaModel:
         self.cos = cos.to(self.embed.device)  # [P, D]
         self.sin = sin.to(self.embed.device)
         self.dtype = self.embed.dtype
-        self.ops = pointwise_ops(self.embed.device, self.dtype)
+        self.pointwise = pointwise_ops(self.embed.device, self.dtype)  # C on the CPU, else torch
 
     @torch.inference_mode()
     def forward(
@@ -130,7 +130,7 @@ class LlamaModel:
         s = self.shape
         t = input_ids.shape[0]
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        ops, eps = self.ops, self.eps
+        ops, eps = self.pointwise, self.eps
         h = self.embed[input_ids]  # [T, H], the residual stream
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, None, layer.norm_in, eps)
