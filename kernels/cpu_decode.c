@@ -89,26 +89,6 @@ static inline void page_values(const float *p, const float *v, int64_t stride, i
     }
 }
 
-/* s[t] = e^(s[t] - top) for t < len; returns their sum */
-static inline float exp_shift_sum(float *s, int64_t len, float top) {
-    int64_t t = 0;
-    float sum = 0.f;
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    const __m256 tv = _mm256_set1_ps(top);
-    for (; t + 8 <= len; t += 8) {
-        __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), tv));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float part[8];
-    _mm256_storeu_ps(part, acc);
-    for (int j = 0; j < 8; j++) sum += part[j];
-#endif
-    for (; t < len; t++) { s[t] = expf(s[t] - top); sum += s[t]; }
-    return sum;
-}
-
 /* ask for n floats from p into the cache, a 64-byte line at a time */
 static inline void prefetch_run(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);

@@ -101,29 +101,6 @@ static inline float row_max(const float *s, int64_t len, float floor) {
     return top;
 }
 
-/* s[t] = e^(s[t] - top) for t < len; returns their sum */
-static inline float exp_shift_sum(float *s, int64_t len, float top) {
-    int64_t t = 0;
-    float sum = 0.f;
-#ifdef __AVX2__
-    __m256 acc = _mm256_setzero_ps();
-    const __m256 tv = _mm256_set1_ps(top);
-    for (; t + 8 <= len; t += 8) {
-        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), tv));
-        _mm256_storeu_ps(s + t, e);
-        acc = _mm256_add_ps(acc, e);
-    }
-    float part[8];
-    _mm256_storeu_ps(part, acc);
-    for (int j = 0; j < 8; j++) sum += part[j];
-#endif
-    for (; t < len; t++) {
-        s[t] = expf(s[t] - top);
-        sum += s[t];
-    }
-    return sum;
-}
-
 int cpu_prefill_supports(int64_t head_dim) { return head_dim % 16 == 0; }
 
 /* What every work item of a call shares. */

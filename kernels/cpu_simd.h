@@ -1,6 +1,9 @@
-/* Shared by the CPU kernels (kernels/*.c): AVX2 helpers. */
+/* Shared by the CPU kernels (kernels/cpu_*.c): e^x 8 at a time, and the softmax step on it. */
 #ifndef BATCHLLM_CPU_SIMD_H
 #define BATCHLLM_CPU_SIMD_H
+
+#include <math.h>
+#include <stdint.h>
 
 #ifdef __AVX2__
 #include <immintrin.h>
@@ -25,5 +28,28 @@ static inline __m256 exp8(__m256 x) {
     return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 #endif
+
+/* s[t] = e^(s[t] - top) for t < len; returns their sum */
+static inline float exp_shift_sum(float *s, int64_t len, float top) {
+    int64_t t = 0;
+    float sum = 0.f;
+#ifdef __AVX2__
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 tv = _mm256_set1_ps(top);
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + t), tv));
+        _mm256_storeu_ps(s + t, e);
+        acc = _mm256_add_ps(acc, e);
+    }
+    float part[8];
+    _mm256_storeu_ps(part, acc);
+    for (int j = 0; j < 8; j++) sum += part[j];
+#endif
+    for (; t < len; t++) {
+        s[t] = expf(s[t] - top);
+        sum += s[t];
+    }
+    return sum;
+}
 
 #endif

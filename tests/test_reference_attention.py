@@ -206,6 +206,16 @@ def run_cascade(paged, prefix, merge, q, k_cache, v_cache, table, prefix_pages, 
     full = paged(q, k_cache, v_cache, table, cu_q, ctx, torch.zeros_like(start), scale)
     return merge(o_p, l_p, o_s, l_s), full
 
+def assert_full_attention(o, lse, q, ks, vs, reqs, scale):
+    """Each request's rows equal SDPA over all its keys from position 0 (float64)."""
+    row = 0
+    for b, (_, c, m) in enumerate(reqs):
+        eo, el = sdpa_reference(q[row : row + m], ks[b], vs[b], torch.arange(c - m, c), 0, scale)
+        close(o[row : row + m], eo, 1e-5)
+        close(lse[row : row + m], el, 1e-5)
+        row += m
+
+
 @pytest.mark.parametrize("prefix_lens", [(1, 129), (17, 37), (0, 16)])
 @pytest.mark.parametrize("gqa", [1, 3])
 @pytest.mark.parametrize("page_size", [1, 16])
@@ -220,13 +230,7 @@ def test_cascade_equals_full_attention(page_size, prefix_lens, gqa):
         table, prefix_pages, reqs, list(prefix_lens), d**-0.5)
     close(o, o_full, 1e-5)
     close(lse, lse_full, 1e-5)
-    row = 0
-    for b, (_, c, m) in enumerate(reqs):
-        eo, el = sdpa_reference(q[row : row + m], ks[b], vs[b], torch.arange(c - m, c), 0,
-                                d**-0.5)
-        close(o[row : row + m], eo, 1e-5)
-        close(lse[row : row + m], el, 1e-5)
-        row += m
+    assert_full_attention(o, lse, q, ks, vs, reqs, d**-0.5)
 
 
 
@@ -247,13 +251,7 @@ def test_c_cascade_equals_full_attention(page_size, prefix_lens, gqa):
     o, lse = c_kernels(True, True)(q, k_cache, v_cache, table, cu_q, ctx, start, d**-0.5)
     cpu_prefill.prefix_attention_into(q, k_cache, v_cache, prefix_pages, lens, cu_g, d**-0.5,
                                       o, lse)
-    row = 0
-    for b, (_, c, m) in enumerate(reqs):
-        eo, el = sdpa_reference(q[row : row + m], ks[b], vs[b], torch.arange(c - m, c), 0,
-                                d**-0.5)
-        close(o[row : row + m], eo, 1e-5)
-        close(lse[row : row + m], el, 1e-5)
-        row += m
+    assert_full_attention(o, lse, q, ks, vs, reqs, d**-0.5)
 
 
 def merge_case(t, h, d, dtype, gen):
