@@ -14,7 +14,8 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError, JobConfig, load_job, parse_size
 from batchllm.llm import LLM, RequestOutput
 from batchllm.progress import Progress, summary
-from batchllm.rows.reader import InputIndex, InputRows, count_rows, read_index, read_input
+from batchllm.rows.blocks import InputIndex, count_rows, read_index
+from batchllm.rows.reader import InputRows, read_input
 from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 

@@ -5,7 +5,8 @@ Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/
 ~/.cache/batchllm/kernels), keyed by the source and the headers beside it, the flags, the
 compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib, already loaded), so
 torch's thread count applies. Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load_library`
-returns None (a warning says why, once per library) and the torch twins run.
+returns None (a warning says why, once per library) and the torch twins run. `attention_args`
+is the argument check the attention kernels' ctypes wrappers share.
 """
 
 from __future__ import annotations

@@ -139,14 +139,8 @@ void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache
                 }
                 pos += len;
             }
-            for (int64_t hq = 0; hq < H; hq++) {  /* online softmax over the block */
-                float top = m[hq];
-                for (int64_t t = 0; t < hi - lo; t++) top = s[hq][t] > top ? s[hq][t] : top;
-                const float rescale = expf(m[hq] - top);
-                for (int64_t d = 0; d < D; d++) acc[hq][d] *= rescale;
-                l[hq] = l[hq] * rescale + exp_shift_sum(s[hq], hi - lo, top);
-                m[hq] = top;
-            }
+            for (int64_t hq = 0; hq < H; hq++)  /* online softmax over the block */
+                softmax_step(s[hq], hi - lo, &m[hq], &l[hq], acc[hq], D);
             for (int64_t pos = lo; pos < hi;) {  /* values, a page run at a time */
                 const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
                 const int64_t len = (S - first < hi - pos) ? S - first : hi - pos;

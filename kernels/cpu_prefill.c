@@ -86,21 +86,6 @@ static inline void value_tile(const float *p, const float *v, int64_t D, int64_t
 #endif
 }
 
-/* the largest of s[0 .. len), at least `floor` */
-static inline float row_max(const float *s, int64_t len, float floor) {
-    int64_t t = 0;
-    float top = floor;
-#ifdef __AVX2__
-    __m256 m = _mm256_set1_ps(floor);
-    for (; t + 8 <= len; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
-    float part[8];
-    _mm256_storeu_ps(part, m);
-    for (int j = 0; j < 8; j++) top = part[j] > top ? part[j] : top;
-#endif
-    for (; t < len; t++) top = s[t] > top ? s[t] : top;
-    return top;
-}
-
 int cpu_prefill_supports(int64_t head_dim) { return head_dim % 16 == 0; }
 
 /* What every work item of a call shares. */
@@ -157,14 +142,7 @@ static void attend_block(const Call *c, const int32_t *table, int64_t first_row,
             float *s = w->s + r * KB;
             int64_t valid = r < R ? (c->causal ? first_pos + qi0 + r / G - k0 + 1 : nk) : 0;
             valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
-            if (valid > 0) {
-                const float top = row_max(s, valid, w->m[r]);
-                const float rescale = expf(w->m[r] - top);
-                if (rescale != 1.f)
-                    for (int64_t d = 0; d < D; d++) w->o[r * D + d] *= rescale;
-                w->l[r] = w->l[r] * rescale + exp_shift_sum(s, valid, top);
-                w->m[r] = top;
-            }
+            if (valid > 0) softmax_step(s, valid, &w->m[r], &w->l[r], w->o + r * D, D);
             for (int64_t t = valid; t < nkp; t++) s[t] = 0.f;
         }
         for (int64_t r0 = 0; r0 < Rp; r0 += RT)

@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels (kernels/cpu_*.c): e^x 8 at a time, and the softmax step on it. */
+/* Shared by the CPU kernels (kernels/cpu_*.c): e^x 8 at a time, and the online softmax on it. */
 #ifndef BATCHLLM_CPU_SIMD_H
 #define BATCHLLM_CPU_SIMD_H
 
@@ -50,6 +50,34 @@ static inline float exp_shift_sum(float *s, int64_t len, float top) {
         sum += s[t];
     }
     return sum;
+}
+
+/* the largest of s[0 .. len), at least `floor` */
+static inline float row_max(const float *s, int64_t len, float floor) {
+    int64_t t = 0;
+    float top = floor;
+#ifdef __AVX2__
+    __m256 m = _mm256_set1_ps(floor);
+    for (; t + 8 <= len; t += 8) m = _mm256_max_ps(m, _mm256_loadu_ps(s + t));
+    float part[8];
+    _mm256_storeu_ps(part, m);
+    for (int j = 0; j < 8; j++) top = part[j] > top ? part[j] : top;
+#endif
+    for (; t < len; t++) top = s[t] > top ? s[t] : top;
+    return top;
+}
+
+/* One block of the online softmax of one query row: its scores s[0 .. len) become
+ * e^(s - m') with m' = max(*m, scores); the running sum *l and the D accumulated outputs in acc
+ * are rescaled from *m to m', *l gains the block's sum, *m = m'. (*m = -inf: nothing yet.) */
+static inline void softmax_step(float *s, int64_t len, float *m, float *l, float *acc,
+                                int64_t D) {
+    const float top = row_max(s, len, *m);
+    const float rescale = expf(*m - top);
+    if (rescale != 1.f)
+        for (int64_t d = 0; d < D; d++) acc[d] *= rescale;
+    *l = *l * rescale + exp_shift_sum(s, len, top);
+    *m = top;
 }
 
 #endif

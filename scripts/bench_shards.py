@@ -36,7 +36,7 @@ from batchllm.plan.partition import (
 )
 from batchllm.plan.planner import make_plan
 from batchllm.plan.shards import make_shards
-from batchllm.rows.reader import BLOCK_ROWS
+from batchllm.rows.blocks import BLOCK_ROWS
 from batchllm.sampling_params import SamplingParams
 
 

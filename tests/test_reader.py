@@ -5,7 +5,8 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.config import ConfigError, InputConfig
-from batchllm.rows.reader import input_files, read_block, read_index, read_input
+from batchllm.rows.blocks import read_block, read_index
+from batchllm.rows.reader import input_files, read_input
 
 
 def _write(path, **columns):

@@ -88,9 +88,13 @@ def _check_messages(t: pa.DataType, name: str) -> None:
                           "list<struct<role: string, content: string>>")
 
 
+def _plain(col: pa.ChunkedArray | pa.Array) -> pa.ChunkedArray | pa.Array:
+    """A dictionary-encoded column decoded to its values; any other column as it is."""
+    return col.cast(col.type.value_type) if pa.types.is_dictionary(col.type) else col
+
+
 def _strings(col: pa.ChunkedArray, field: str, name: str) -> list[str | None]:
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
+    col = _plain(col)
     _check_string(col.type, field, name)
     return col.to_pylist()
 
@@ -111,9 +115,7 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
         raise _missing("input.id_column", name, file, pq.read_schema(file).names)
     if not name or not all(having):
         return pa.array(range(num_rows), pa.int64())
-    ids = table.column(name).combine_chunks()
-    if pa.types.is_dictionary(ids.type):
-        ids = ids.cast(ids.type.value_type)
+    ids = _plain(table.column(name).combine_chunks())
     if not (pa.types.is_integer(ids.type) or pa.types.is_string(ids.type)
             or pa.types.is_large_string(ids.type)):
         raise ConfigError(f"input.id_column: column {name!r} has type {ids.type}; "
@@ -219,94 +221,18 @@ def _read_file(file: str, cfg: InputConfig, sampling_fields: tuple[str, ...],
     return table
 
 
+def _concat(tables: list[pa.Table]) -> pa.Table:
+    try:
+        return pa.concat_tables(tables, promote_options="permissive")
+    except pa.ArrowException as e:
+        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
+
+
 def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
     """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
     and per-row sampling columns of the wrong type raise ConfigError naming the file or field."""
     files = input_files(cfg.path)
     tables = [_read_file(file, cfg, sampling_fields) for file in files]
-    try:
-        table = pa.concat_tables(tables, promote_options="permissive")
-    except pa.ArrowException as e:
-        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
+    table = _concat(tables)
     ids = _ids(table, cfg, files, tables, table.num_rows)
     return _rows(table, ids, cfg, tuple(files), sampling_fields)
-
-
-BLOCK_ROWS = 65536  # rows of an input block (whole row groups; a file's last block may be short)
-
-
-@dataclass(frozen=True)
-class InputBlock:
-    """Consecutive row groups of one input file: the unit that one task reads."""
-
-    file: str
-    row_groups: tuple[int, ...]
-    first_row: int  # row index (over all files) of the block's first row
-    num_rows: int
-
-
-@dataclass(frozen=True)
-class InputIndex:
-    """The input without its text: ids, row count and blocks (a sharded job's driver reads
-    only this; tasks read the blocks)."""
-
-    ids: pa.Array
-    num_rows: int
-    files: tuple[str, ...]
-    blocks: tuple[InputBlock, ...]
-
-
-def count_rows(cfg: InputConfig) -> int:
-    """The number of input rows, from the files' footers."""
-    return sum(_metadata(f).num_rows for f in input_files(cfg.path))
-
-
-def _metadata(file: str) -> pq.FileMetaData:
-    try:
-        return pq.read_metadata(file)
-    except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
-
-
-def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS,
-               sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputIndex:
-    """Ids (checked as read_input checks them), row count and blocks of about `block_rows`
-    rows (whole row groups), reading only the id column; the text column must exist and every
-    column's type is checked from the schema, so a bad job stops before anything runs."""
-    files = input_files(cfg.path)
-    text, field = _text_field(cfg)
-    tables, blocks, first = [], [], 0
-    for file in files:
-        meta = _metadata(file)
-        schema = meta.schema.to_arrow_schema()
-        if text not in schema.names:
-            raise _missing(field, text, file, schema.names)
-        _check_schema(schema, cfg, sampling_fields)
-        tables.append(_read(file, [cfg.id_column]))
-        group: list[int] = []
-        rows = 0
-        for g in range(meta.num_row_groups):
-            group.append(g)
-            rows += meta.row_group(g).num_rows
-            if rows >= block_rows or g == meta.num_row_groups - 1:
-                blocks.append(InputBlock(file, tuple(group), first, rows))
-                first, group, rows = first + rows, [], 0
-    try:
-        table = pa.concat_tables(tables, promote_options="permissive")
-    except pa.ArrowException as e:
-        raise ConfigError(f"input.path: the files' columns do not agree: {e}") from None
-    # (a table of no columns, when there is no id column, has no rows: count from the footers)
-    return InputIndex(_ids(table, cfg, files, tables, first), first, tuple(files), tuple(blocks))
-
-
-def read_block(cfg: InputConfig, block: InputBlock,
-               sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
-    """The rows of one block (ids: the id column, or row indices over all files)."""
-    table = _read_file(block.file, cfg, sampling_fields, list(block.row_groups))
-    if cfg.id_column and cfg.id_column in table.column_names:
-        ids = table.column(cfg.id_column).combine_chunks()
-        if pa.types.is_dictionary(ids.type):
-            ids = ids.cast(ids.type.value_type)
-    else:
-        ids = pa.array(range(block.first_row, block.first_row + table.num_rows), pa.int64())
-    return _rows(table, ids, cfg, (block.file,), sampling_fields)

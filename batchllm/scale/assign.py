@@ -65,7 +65,7 @@ def partition_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -
     blocks are whole row groups, so its cuts may differ slightly); rows that cannot run go to
     part 0, as `route` sends them."""
     from batchllm.plan.partition import choose_cuts, route, sample_block, samples_per_block
-    from batchllm.rows.reader import BLOCK_ROWS
+    from batchllm.rows.blocks import BLOCK_ROWS
 
     plan, good = plan_rows(inputs, cfg)
     blocks = [inputs[lo : lo + BLOCK_ROWS] for lo in range(0, len(inputs), BLOCK_ROWS)]

@@ -23,7 +23,8 @@ from batchllm.model.weights import load_tokenizer, resolve_model
 from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress
-from batchllm.rows.reader import InputIndex, InputRows
+from batchllm.rows.blocks import InputIndex
+from batchllm.rows.reader import InputRows
 from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import JobShards, shard_job

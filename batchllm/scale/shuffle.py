@@ -21,7 +21,7 @@ from batchllm.plan.partition import (
     sample_block,
     samples_per_block,
 )
-from batchllm.rows.reader import InputBlock, InputIndex, read_block
+from batchllm.rows.blocks import InputBlock, InputIndex, read_block
 from batchllm.scale.worker import ShardInput
 
 
