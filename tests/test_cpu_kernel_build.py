@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from batchllm.model.attention import PagedAttention
-from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_prefill
+from batchllm.model.linear import Linear
+from kernels import cpu_attention, cpu_decode, cpu_linear, cpu_ops, cpu_prefill
 
-LOADERS = (cpu_decode.load, cpu_prefill.load, cpu_ops.load)
+LOADERS = (cpu_decode.load, cpu_prefill.load, cpu_ops.load, cpu_linear.load)
 
 
 @pytest.fixture
@@ -35,7 +36,8 @@ def cache() -> PagedAttention:
 def test_built_once_into_the_cache_and_used(fresh_load):
     assert all(load() is not None for load in LOADERS)
     built = sorted((fresh_load / "kernels").glob("cpu_*.so"))
-    assert [p.name.rsplit("-", 1)[0] for p in built] == ["cpu_decode", "cpu_ops", "cpu_prefill"]
+    assert [p.name.rsplit("-", 1)[0] for p in built] == ["cpu_decode", "cpu_linear", "cpu_ops",
+                                                             "cpu_prefill"]
     stamps = [p.stat().st_mtime_ns for p in built]
     for load in LOADERS:
         load.cache_clear()
@@ -46,6 +48,7 @@ def test_built_once_into_the_cache_and_used(fresh_load):
     assert not attention.ops.gathers_decodes and not attention.ops.gathers_chunks
     assert attention.ops.store_kv is cpu_ops.store_kv_c
     assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.C_OPS
+    assert Linear(torch.randn(8, 4)).panels is not None
 
 
 def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
@@ -57,6 +60,7 @@ def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
     assert attention.ops.paged_attention.__name__ == "paged_attention_ref"
     assert attention.ops.store_kv.__name__ == "store_kv_ref"
     assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.TORCH_OPS
+    assert Linear(torch.randn(8, 4)).panels is None  # oneDNN's layout, or F.linear
 
 
 def test_switched_off(fresh_load, monkeypatch):

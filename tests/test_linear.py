@@ -1,32 +1,68 @@
-"""The projections (batchllm/model/linear.py): oneDNN on a weight reordered once, checked against
-torch's own F.linear in float64 for the row counts of decode steps and prefill chunks."""
+"""The projections (batchllm/model/linear.py): the C kernel on 16-column panels
+(kernels/cpu_linear.c) and, where it cannot be built, oneDNN on a reordered weight, both checked
+against torch's F.linear in float64 for the row counts of decode steps and prefill chunks, the
+tails of the kernel's 6-row tiles and 16-column panels, and its blocks of rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from batchllm.model.linear import Linear
+from kernels import cpu_linear
+
+BACKENDS = ["panels", "onednn"]
 
 
-@pytest.mark.parametrize("bias", [False, True])
-@pytest.mark.parametrize("rows", [0, 1, 7, 39, 300])
-def test_matches_float64_linear(rows, bias):
-    gen = torch.Generator().manual_seed(rows * 2 + bias)
-    w = torch.randn(96, 80, generator=gen)
-    b = torch.randn(96, generator=gen) if bias else None
-    wide = torch.randn(rows, 160, generator=gen)
-    x = wide[:, ::2]  # not contiguous, as the MLP's gate half is
-    y = Linear(w, b)(x)
+@pytest.fixture
+def backend(request, monkeypatch):
+    """Linear built with the C kernel ("panels", skipped where it cannot be built) or without
+    it ("onednn": the kernel reported unavailable)."""
+    if request.param == "panels" and cpu_linear.load() is None:
+        pytest.skip("the C projection kernel cannot be built here")
+    if request.param == "onednn":
+        monkeypatch.setattr(cpu_linear, "load", lambda: None)
+    return request.param
+
+
+def check(x, w, b, backend):
+    layer = Linear(w, b)
+    assert (layer.panels is not None) == (backend == "panels")
+    y = layer(x)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
-    assert y.shape == (rows, 96) and y.dtype == torch.float32
+    assert y.shape == expected.shape and y.dtype == torch.float32
     torch.testing.assert_close(y.double(), expected, rtol=1e-5, atol=1e-5)
 
 
-def test_float32_cpu_weight_is_reordered_once():
-    layer = Linear(torch.randn(8, 4))
-    if torch.backends.mkldnn.is_available():
-        assert layer.packed is not None and layer.weight is None
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+@pytest.mark.parametrize("bias", [False, True])
+@pytest.mark.parametrize("rows", [0, 1, 5, 7, 39, 64, 300])
+def test_matches_float64_linear(rows, bias, backend):
+    gen = torch.Generator().manual_seed(rows * 2 + bias)
+    w = torch.randn(100, 81, generator=gen)  # 6 panels + 4 columns; an odd K
+    b = torch.randn(100, generator=gen) if bias else None
+    wide = torch.randn(rows, 162, generator=gen)
+    check(wide[:, ::2], w, b, backend)  # columns apart (copied for the kernel)
+    check(wide[:, 7:88], w, b, backend)  # rows apart: a view of a wider projection
+
+
+@pytest.mark.parametrize("backend", BACKENDS, indirect=True)
+def test_rows_in_blocks(backend):
+    """K = 1,000: the kernel takes x in blocks of 96 rows; 250 rows end in a partial block."""
+    gen = torch.Generator().manual_seed(3)
+    check(torch.randn(250, 1000, generator=gen), torch.randn(40, 1000, generator=gen) / 30,
+          torch.randn(40, generator=gen), backend)
+
+
+def test_panels_layout():
+    w = torch.arange(40 * 3, dtype=torch.float32).view(40, 3)  # [N=40, K=3]
+    panels = cpu_linear.pack_panels(w)
+    assert panels.shape == (3, 3, 16)
+    assert torch.equal(panels[1, 2], w[16:32, 2])
+    assert torch.equal(panels[2, 0, :8], w[32:, 0]) and not panels[2, :, 8:].any()
+
+
+def test_other_dtypes_run_dense():
     bf16 = Linear(torch.randn(8, 4, dtype=torch.bfloat16))
-    assert bf16.packed is None  # only float32 is reordered; others run F.linear
+    assert bf16.panels is None and bf16.packed is None
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     torch.testing.assert_close(bf16(x), F.linear(x, bf16.weight))

@@ -1,0 +1,74 @@
+"""The CPU projection kernel (cpu_linear.c), built and loaded by kernels/cpu_build.py: y = x W^T + b
+in float32 on a weight laid out once in 16-column panels; its twin is F.linear.
+
+Why C: a decode step multiplies each weight by only as many rows as sequences run (<= 64 on the
+contract workload), where the libraries' products fall well short of the machine's peak. On this
+project's 2-core machine (AVX2 FMA peak ~200 GFLOP/s, two cores), over 30 layers of
+SmolLM2-135M's four projections with the weights streamed from memory, oneDNN on its own
+reordered weight -> this: 16 rows 80-86 -> 94-121 GFLOP/s, 39 rows 105-119 -> 119-166, 64 rows
+105-129 -> 123-174, 512 rows 128-146 -> 168-181, 8,192 rows 151 -> 168 (the machine's phases move
+both). Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+
+import torch
+
+from kernels.cpu_build import load_library
+
+PANEL = 16  # columns of W per panel (the kernel's NR)
+
+
+@functools.cache
+def load() -> ctypes.CDLL | None:
+    """The built kernel, or None where it cannot be built (a warning says why, once)."""
+    lib = load_library("cpu_linear", "the CPU projection kernel")
+    if lib is None:
+        return None
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.cpu_linear.restype = None
+    return lib
+
+
+def pack_panels(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] -> [ceil(N / 16), K, 16] float32, the last panel padded with zeros."""
+    n, k = weight.shape
+    count = -(-n // PANEL)
+    padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
+    padded[:n] = weight
+    panels = padded.view(count, PANEL, k).transpose(1, 2).contiguous()
+    if panels.data_ptr() % 32:
+        raise RuntimeError("cpu_linear: panels must be 32-byte aligned")
+    return panels
+
+
+def pack_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
+    """bias [N] -> [16 ceil(N / 16)] float32, zero padded (None stays None)."""
+    if bias is None:
+        return None
+    padded = torch.zeros(-(-n // PANEL) * PANEL, dtype=torch.float32)
+    padded[:n] = bias
+    return padded
+
+
+def linear(
+    x: torch.Tensor,  # [M, K] float32, rows contiguous (any row stride)
+    panels: torch.Tensor,  # [ceil(N / 16), K, 16] from pack_panels
+    bias: torch.Tensor | None,  # [16 ceil(N / 16)] from pack_bias, or None
+    n: int,
+) -> torch.Tensor:  # [M, N]
+    """x W^T + b on the packed weight."""
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != panels.shape[1]:
+        raise ValueError(f"cpu_linear: float32 [M, {panels.shape[1]}] expected, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    y = torch.empty(x.shape[0], n, dtype=torch.float32)
+    if x.shape[0]:
+        load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
+                          0 if bias is None else bias.data_ptr(), n, y.data_ptr())
+    return y
