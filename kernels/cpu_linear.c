@@ -6,10 +6,11 @@
  * accumulators fed by two aligned loads of the panel and 6 broadcasts of x per step of K (the
  * loads pinned in registers and the row loop unrolled: else GCC reloads the panel for every row
  * of a shorter tile, which then took as long as a full one or longer). The rows are cut into
- * tiles of even heights (64 = 9 x 6 + 2 x 5, not 10 x 6 + 4), since a tile's time drops little
- * below 6 rows (a 4-row tile: ~70% of a 6-row one). The panels are split between the threads (OpenMP, torch's own runtime), each panel read from
- * memory once and then reused from cache by every row tile; rows come in blocks of about 256 KB
- * of x so that larger products keep x in each core's L2 as well. x rows: stride lda, contiguous
+ * tiles of even heights (13 = 5 + 4 + 4, not 6 + 6 + 1), since a tile of 1 to 4 rows takes
+ * about as long as one of 4 (~70% of a 6-row one). The panels are split between the threads
+ * (OpenMP, torch's own runtime), each panel read from memory once and then reused from cache by
+ * every row tile; rows come in blocks of about 256 KB of x so that larger products keep x in
+ * each core's L2 as well. x rows: stride lda, contiguous
  * within a row. Plain C where the compiler does not target AVX2 + FMA.
  */
 #include <stdint.h>

@@ -4,10 +4,10 @@
  *
  * A sequence b of the step with n >= 2 queries (rows cu_q[b] .. cu_q[b+1] - 1, at positions
  * context_len - n .. context_len - 1) attends causally to its keys kv_start .. its own position.
- * Work item = (sequence, KV head, block of QB queries): its G query heads x QB queries form the
- * rows of a small matrix; keys are taken KB at a time out of the pages (keys transposed, values
- * as rows, into buffers of the thread), scores by a 6x16 register tile, online softmax with the
- * 8-wide exp, values by a 6x16 tile. Key blocks past the last query's position are skipped
+ * Work item = (sequence, KV head, block of <= QB queries): its G query heads x its queries form
+ * the rows of a small matrix; keys are taken KB at a time out of the pages (keys transposed,
+ * values as rows, into buffers of the thread), scores by a 6x16 register tile, online softmax
+ * with the 8-wide exp, values by a 6x16 tile. Key blocks past the last query's position are skipped
  * (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and
  * lse = -inf for a query that sees no key).
  *
@@ -20,9 +20,14 @@
 #include <stdint.h>
 #include <stdlib.h>
 
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
 #include "cpu_simd.h"
 
-#define QB 32 /* queries per work item */
+#define QB 32 /* queries per work item, at most */
+#define QB_MIN 4 /* queries per work item, at least, where a lone sequence is cut finer */
 #define KB 64 /* keys per block, a multiple of 16 */
 #define RT 6   /* tile rows; row counts are padded to a multiple of it */
 
@@ -156,8 +161,25 @@ static void attend_block(const Call *c, const int32_t *table, int64_t first_row,
     }
 }
 
-/* Every (sequence, KV head, block of QB queries) of the n sequences `seqs` (NULL: 0 .. n-1),
- * in parallel. Sequence b: query rows cu_q[b] .. cu_q[b+1] - 1, keys kv_start[b] (NULL: 0) ..
+/* How many blocks (of at most QB queries, sizes at most 1 apart) nq queries are cut into. A lone
+ * sequence (a shared prefix's group: all of a step's decodes) is cut finer where that makes its
+ * KV heads x blocks work items split evenly between the threads: 3 KV heads and 30 queries on 2
+ * threads make 6 items of 15, not 3 of 30 (2 rounds of work on one thread, 1 on the other). */
+static int64_t query_blocks(int64_t nq, int64_t Hkv, int64_t n) {
+    int64_t blocks = (nq + QB - 1) / QB;
+#ifdef _OPENMP
+    const int64_t threads = omp_get_max_threads();
+    if (n == 1)
+        while ((Hkv * blocks) % threads != 0 && nq / (blocks + 1) >= QB_MIN) blocks++;
+#else
+    (void)Hkv;
+    (void)n;
+#endif
+    return blocks;
+}
+
+/* Every (sequence, KV head, block of queries) of the n sequences `seqs` (NULL: 0 .. n-1), in
+ * parallel. Sequence b: query rows cu_q[b] .. cu_q[b+1] - 1, keys kv_start[b] (NULL: 0) ..
  * key_end[b] - 1 in page_table row b, queries at the last positions before key_end[b]. */
 static void run(const Call *c, const int32_t *page_table, int64_t max_pages, const int32_t *cu_q,
                 const int32_t *key_end, const int32_t *kv_start, const int32_t *seqs, int64_t n) {
@@ -165,7 +187,7 @@ static void run(const Call *c, const int32_t *page_table, int64_t max_pages, con
     first_item[0] = 0;
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = seqs ? seqs[i] : i, nq = cu_q[b + 1] - cu_q[b];
-        first_item[i + 1] = first_item[i] + c->Hkv * ((nq + QB - 1) / QB);
+        first_item[i + 1] = first_item[i] + c->Hkv * query_blocks(nq, c->Hkv, n);
     }
     const int64_t items = first_item[n], D = c->D;
     const int64_t Rp = (QB * (c->Hq / c->Hkv) + RT - 1) / RT * RT;
@@ -186,9 +208,9 @@ static void run(const Call *c, const int32_t *page_table, int64_t max_pages, con
             while (first_item[i + 1] <= item) i++; /* items ascend within a thread */
             while (first_item[i] > item) i--;
             const int64_t b = seqs ? seqs[i] : i, nq_all = cu_q[b + 1] - cu_q[b];
-            const int64_t blocks = (nq_all + QB - 1) / QB, local = item - first_item[i];
-            const int64_t h = local / blocks, qi0 = (local % blocks) * QB;
-            const int64_t nq = nq_all - qi0 < QB ? nq_all - qi0 : QB;
+            const int64_t blocks = (first_item[i + 1] - first_item[i]) / c->Hkv;
+            const int64_t local = item - first_item[i], h = local / blocks, k = local % blocks;
+            const int64_t qi0 = k * nq_all / blocks, nq = (k + 1) * nq_all / blocks - qi0;
             attend_block(c, page_table + b * max_pages, cu_q[b], key_end[b] - nq_all,
                          kv_start ? kv_start[b] : 0, key_end[b], qi0, nq, h, &w);
         }

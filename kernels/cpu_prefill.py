@@ -5,8 +5,9 @@ Why C: torch's flash kernel needs each chunk's keys and values gathered out of t
 key heads repeated for grouped queries, and runs its blocks through small matrix products; the
 kernel reads the pages in place, skips the key blocks a causal query block cannot see, and keeps
 its tiles in registers (1.9x torch's flash kernel on 18 prompts of 440 tokens, 2 cores). A shared
-prefix's group of queries runs the same way, merged into its own part's result in the same pass. Without a compiler, with BATCHLLM_CPU_KERNEL=0 or a head size that is
-not a multiple of 16, the torch path (reference.attend_chunks) runs.
+prefix's group of queries runs the same way, merged into its own part's result in the same pass.
+Without a compiler, with BATCHLLM_CPU_KERNEL=0 or a head size that is not a multiple of 16, the
+torch path (reference.attend_chunks) runs.
 """
 
 from __future__ import annotations

@@ -155,19 +155,19 @@ def test_paged_attention_bfloat16_close_to_float32():
     close(l16, l32, 3e-2)
 
 
-def cascade_case(page_size, prefix_lens, d, gen):
-    """Two groups of requests sharing a prefix each; every request has own tokens after it and
-    queries (a decode or a chunk) at its end. Shared full pages appear in every table of the
-    group; a partial last prefix page is copied into each request's own first page."""
-    own = [[3, 20], [1, 9, 40]]  # own tokens per request, per group
-    qlen = [[1, 5], [1, 1, 17]]
-    prefixes = [torch.randn(p, HKV, d, generator=gen) for p in prefix_lens]
-    vprefixes = [torch.randn(p, HKV, d, generator=gen) for p in prefix_lens]
+def cascade_case(page_size, prefix_lens, d, gen, own=((3, 20), (1, 9, 40)),
+                 qlen=((1, 5), (1, 1, 17)), hkv=HKV):
+    """Groups of requests sharing a prefix each (two by default); every request has own tokens
+    after it (`own`, per request per group) and queries (`qlen`: a decode or a chunk) at its end.
+    Shared full pages appear in every table of the group; a partial last prefix page is copied
+    into each request's own first page. `hkv` KV heads."""
+    prefixes = [torch.randn(p, hkv, d, generator=gen) for p in prefix_lens]
+    vprefixes = [torch.randn(p, hkv, d, generator=gen) for p in prefix_lens]
     ks, vs, reqs = [], [], []
     for g, p in enumerate(prefix_lens):
         for n, m in zip(own[g], qlen[g]):
-            ks.append(torch.cat([prefixes[g], torch.randn(n, HKV, d, generator=gen)]))
-            vs.append(torch.cat([vprefixes[g], torch.randn(n, HKV, d, generator=gen)]))
+            ks.append(torch.cat([prefixes[g], torch.randn(n, hkv, d, generator=gen)]))
+            vs.append(torch.cat([vprefixes[g], torch.randn(n, hkv, d, generator=gen)]))
             reqs.append((g, p + n, m))
     k_cache, table = scatter_sequences(ks, page_size, gen)
     full_pages = [p // page_size for p in prefix_lens]
@@ -251,6 +251,33 @@ def test_c_cascade_equals_full_attention(page_size, prefix_lens, gqa):
     o, lse = c_kernels(True, True)(q, k_cache, v_cache, table, cu_q, ctx, start, d**-0.5)
     cpu_prefill.prefix_attention_into(q, k_cache, v_cache, prefix_pages, lens, cu_g, d**-0.5,
                                       o, lse)
+    assert_full_attention(o, lse, q, ks, vs, reqs, d**-0.5)
+
+
+@pytest.mark.parametrize("threads", [1, 2, 4])
+@pytest.mark.parametrize("decodes", [1, 7, 8, 23, 33, 70])
+def test_c_prefix_of_one_group_of_decodes(decodes, threads):
+    """One group of decodes, as every decode step under a shared prefix makes: the kernel cuts a
+    lone group's queries finer so that its KV heads x blocks split evenly between the threads (3
+    KV heads x 2 blocks of 4 to 16 queries for 8 to 32 decodes on 2 threads); every row still
+    equals full attention from position 0."""
+    if cpu_prefill.load() is None or cpu_decode.load() is None:
+        pytest.skip("the C kernels could not be built here")
+    gen = torch.Generator().manual_seed(decodes + threads)
+    d, hkv = 64, 3  # as SmolLM2: 9 query heads on 3 KV heads
+    own = tuple(int(n) for n in torch.randint(1, 30, (decodes,), generator=gen))
+    ks, vs, reqs, k_cache, v_cache, table, prefix_pages = cascade_case(
+        16, (45,), d, gen, own=(own,), qlen=((1,) * decodes,), hkv=hkv)
+    q = torch.randn(decodes, 3 * hkv, d, generator=gen)
+    cu_q, ctx, start, cu_g, lens = cascade_args(reqs, [45])
+    saved = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        o, lse = c_kernels(True, True)(q, k_cache, v_cache, table, cu_q, ctx, start, d**-0.5)
+        cpu_prefill.prefix_attention_into(q, k_cache, v_cache, prefix_pages, lens, cu_g,
+                                          d**-0.5, o, lse)
+    finally:
+        torch.set_num_threads(saved)
     assert_full_attention(o, lse, q, ks, vs, reqs, d**-0.5)
 
 
