@@ -38,7 +38,8 @@ class Linear:
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight = weight
-        self.panels = self.packed = None  # C kernel's panels / oneDNN's blocked weight
+        self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
+        self.packed = None  # oneDNN's blocked weight, where it runs instead
         if _cpu_float32(weight) and cpu_linear.load() is not None:
             self.panels = cpu_linear.pack_panels(weight)
             self.panel_bias = cpu_linear.pack_bias(bias, self.out_features)
