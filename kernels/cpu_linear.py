@@ -5,9 +5,9 @@ Why C: a decode step multiplies each weight by only as many rows as sequences ru
 contract workload), where the libraries' products fall well short of the machine's peak. On this
 project's 2-core machine (AVX2 FMA peak ~200 GFLOP/s, two cores), over 30 layers of
 SmolLM2-135M's four projections with the weights streamed from memory, oneDNN on its own
-reordered weight -> this: 16 rows 80-86 -> 94-121 GFLOP/s, 39 rows 105-119 -> 119-166, 64 rows
-105-129 -> 123-174, 512 rows 128-146 -> 168-181, 8,192 rows 151 -> 168 (the machine's phases move
-both). Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None.
+reordered weight -> this: 16 rows 80-103 -> 141 GFLOP/s, 39 rows 105-119 -> 167, 64 rows 105-129
+-> 160-179, 512 rows 128-146 -> 168-188, 8,192 rows 151 -> 168 (the machine's phases move both;
+in a whole run, decode steps of 48-64 rows reach 171-178). Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None.
 """
 
 from __future__ import annotations
