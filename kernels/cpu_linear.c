@@ -100,7 +100,7 @@ static void panel_rows(const float *x, int64_t lda, int64_t K, const float *pane
     }
 }
 
-/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (64-byte aligned), bias
+/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), bias
  * [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                 const float *bias, int64_t N, float *y) {
