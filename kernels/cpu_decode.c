@@ -94,6 +94,15 @@ static inline void prefetch_run(const float *p, int64_t n) {
     for (int64_t i = 0; i < n; i += 16) __builtin_prefetch(p + i, 0, 3);
 }
 
+/* The keys pos .. at most hi - 1 that lie in one page (table: the sequence's row of the page
+ * table): returns how many; *slot = the first one's slot in the cache. */
+static inline int64_t page_run(const int32_t *table, int64_t S, int64_t pos, int64_t hi,
+                               int64_t *slot) {
+    const int64_t first = pos % S;
+    *slot = (int64_t)table[pos / S] * S + first;
+    return S - first < hi - pos ? S - first : hi - pos;
+}
+
 int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim) {
     return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM;
 }
@@ -119,21 +128,20 @@ void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache
             for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }
         }
         const int64_t end = context_lens[b];
+        const int32_t *table = page_table + b * max_pages;
         for (int64_t lo = kv_start[b]; lo < end; lo += BLOCK) {
             const int64_t hi = end - lo < BLOCK ? end : lo + BLOCK;
             for (int64_t pos = lo; pos < hi;) {  /* scores of the block, a page run at a time */
-                const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
-                const int64_t len = (S - first < hi - pos) ? S - first : hi - pos;
+                int64_t slot, next_slot;
+                const int64_t len = page_run(table, S, pos, hi, &slot);
                 /* fetch the next run's keys, and this run's values for after the softmax */
                 if (pos + len < end) {
-                    const int64_t nxt = pos + len;
-                    const int64_t np = page_table[b * max_pages + nxt / S], nf = nxt % S;
-                    const int64_t nlen = (S - nf < end - nxt) ? S - nf : end - nxt;
-                    prefetch_run(k_cache + (np * S + nf) * token_stride, nlen * token_stride);
+                    const int64_t next_len = page_run(table, S, pos + len, end, &next_slot);
+                    prefetch_run(k_cache + next_slot * token_stride, next_len * token_stride);
                 }
-                prefetch_run(v_cache + (page * S + first) * token_stride, len * token_stride);
+                prefetch_run(v_cache + slot * token_stride, len * token_stride);
                 for (int64_t h = 0; h < num_kv_heads; h++) {
-                    const float *k = k_cache + ((page * S + first) * num_kv_heads + h) * D;
+                    const float *k = k_cache + slot * token_stride + h * D;
                     for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
                         page_scores(qs[hq], k, token_stride, len, D, s[hq] + (pos - lo));
                 }
@@ -142,10 +150,10 @@ void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache
             for (int64_t hq = 0; hq < H; hq++)  /* online softmax over the block */
                 softmax_step(s[hq], hi - lo, &m[hq], &l[hq], acc[hq], D);
             for (int64_t pos = lo; pos < hi;) {  /* values, a page run at a time */
-                const int64_t page = page_table[b * max_pages + pos / S], first = pos % S;
-                const int64_t len = (S - first < hi - pos) ? S - first : hi - pos;
+                int64_t slot;
+                const int64_t len = page_run(table, S, pos, hi, &slot);
                 for (int64_t h = 0; h < num_kv_heads; h++) {
-                    const float *v = v_cache + ((page * S + first) * num_kv_heads + h) * D;
+                    const float *v = v_cache + slot * token_stride + h * D;
                     for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
                         page_values(s[hq] + (pos - lo), v, token_stride, len, D, acc[hq]);
                 }

@@ -133,8 +133,12 @@ C_OPS = PointwiseOps(add_rms_norm_c, rope_c, silu_mul_c)
 TORCH_OPS = PointwiseOps(add_rms_norm_torch, rope_torch, silu_mul_torch)
 
 
+def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
+    """Whether the C ops (pointwise and the KV store) serve this device and dtype: the CPU in
+    float32, where they build."""
+    return device.type == "cpu" and dtype == torch.float32 and load() is not None
+
+
 def pointwise_ops(device: torch.device, dtype: torch.dtype) -> PointwiseOps:
     """C on the CPU in float32 where it builds; the torch twins elsewhere."""
-    if device.type == "cpu" and dtype == torch.float32 and load() is not None:
-        return C_OPS
-    return TORCH_OPS
+    return C_OPS if runs_here(device, dtype) else TORCH_OPS

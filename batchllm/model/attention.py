@@ -59,8 +59,7 @@ def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_di
     c_prefill = device.type == "cpu" and cpu_prefill.supports(dtype, head_dim)
     paged = cpu_attention.paged_attention_cpu if c_decode or c_prefill else (
         reference.paged_attention_ref)
-    c_store = device.type == "cpu" and dtype == torch.float32 and cpu_ops.load() is not None
-    store = cpu_ops.store_kv_c if c_store else reference.store_kv_ref
+    store = cpu_ops.store_kv_c if cpu_ops.runs_here(device, dtype) else reference.store_kv_ref
     return _Ops(store, paged, reference.prefix_attention_ref,
                 reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode,
                 gathers_chunks=not c_prefill,
