@@ -91,9 +91,9 @@ def test_greedy_matches_transformers(kind: str, sharing: bool, name: str) -> Non
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None:
     """BATCHLLM_CPU_KERNEL=0 (or no C compiler): every part of the CPU path in torch."""
-    from kernels import cpu_decode, cpu_ops, cpu_prefill
+    from kernels import cpu_decode, cpu_linear, cpu_ops, cpu_prefill
 
-    loaders = (cpu_decode.load, cpu_prefill.load, cpu_ops.load)
+    loaders = (cpu_decode.load, cpu_prefill.load, cpu_ops.load, cpu_linear.load)
     monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
     for load in loaders:
         load.cache_clear()
