@@ -24,9 +24,9 @@ def _start_errors() -> tuple[type[BaseException], ...]:
     from batchllm.config import ConfigError
     from batchllm.engine.scheduler import KVCacheTooSmall
     from batchllm.job import JobCannotStart
-    from batchllm.model.weights import ModelNotFoundError
+    from batchllm.model.errors import ModelError
 
-    return (ConfigError, JobCannotStart, ModelNotFoundError, KVCacheTooSmall)
+    return (ConfigError, JobCannotStart, ModelError, KVCacheTooSmall)
 
 
 @app.command()

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from batchllm.config import ConfigError
+from batchllm.model.errors import ModelError
 from batchllm.model.llama import LlamaModel
 from batchllm.model.weights import eos_token_ids, load_tokenizer, load_weights, resolve_model
 
@@ -27,7 +27,7 @@ def pick_device(device: str) -> torch.device:
     if device == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
     if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("model.device: cuda was asked for but no CUDA device is available")
+        raise ModelError("model.device: cuda was asked for but no CUDA device is available")
     return torch.device(device)
 
 
@@ -48,7 +48,7 @@ def load_model(
     limit = config.max_position_embeddings
     if max_model_len is not None:
         if max_model_len > limit:
-            raise ConfigError(
+            raise ModelError(
                 f"model.max_model_len: {max_model_len} exceeds the model's limit of {limit}"
             )
         limit = max_model_len

@@ -20,9 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-
-class ModelNotFoundError(Exception):
-    """The model path is neither a built-in alias nor a usable local Hugging Face folder."""
+from batchllm.model.errors import ModelNotFoundError
 
 
 # alias -> (pip package, module holding the GGUF file, GGUF file name)
