@@ -9,15 +9,16 @@ import signal
 import sys
 import threading
 
-import pyarrow.parquet as pq
-
-from batchllm.config import ConfigError, JobConfig, load_job, parse_size
-from batchllm.llm import LLM, RequestOutput
+from batchllm.config import ConfigError, JobConfig, load_job
+from batchllm.engine.metrics import RunMetrics
+from batchllm.engine.runtime import Runtime
 from batchllm.progress import Progress, summary
-from batchllm.rows.blocks import InputIndex, count_rows, read_index
+from batchllm.rows.blocks import InputIndex, read_index
+from batchllm.rows.build import build_rows
 from batchllm.rows.reader import InputRows, read_input
-from batchllm.rows.requests import build_rows
 from batchllm.rows.writer import CheckpointWriter, write_metrics
+from batchllm.scale.assign import partitioned
+from batchllm.scale.cluster import require_ray
 
 
 class JobCannotStart(Exception):
@@ -69,25 +70,12 @@ def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
     return set()
 
 
-DRIVER_PLAN_ROWS = 1_000_000  # engine.sharding auto: above this, tasks partition the input
-
-
-def partitioned(cfg: JobConfig) -> bool:
-    """Whether a sharded job's input is partitioned by Ray tasks (the driver reads only ids)."""
-    if cfg.engine.workers == 1 or cfg.engine.sharding == "tree":
-        return False
-    return cfg.engine.sharding == "partition" or count_rows(cfg.input) > DRIVER_PLAN_ROWS
-
-
-def _kv_memory(value: float | str) -> float | int:
-    return parse_size(value) if isinstance(value, str) else value
-
-
 def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
             progress: bool = True) -> dict:
     """Run a job file (or a loaded config); returns the metrics, also written next to the output.
     Raises ConfigError / JobCannotStart before anything runs when the job cannot start."""
     cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
+    require_ray(cfg)
     rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
         cfg.input)
     writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
@@ -112,11 +100,11 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
         if cfg.engine.workers > 1 and len(done) < rows.num_rows:  # else nothing to shard
             from batchllm.scale.driver import run_sharded  # imports ray
 
-            metrics = run_sharded(cfg, rows, writer, done, bar)
+            metrics = run_sharded(cfg, rows, writer, done, bar).to_dict()
         else:
             if isinstance(rows, InputIndex):  # every row is done already: nothing to shard
                 rows = read_input(cfg.input)
-            metrics = _run_local(cfg, rows, writer, done, bar)
+            metrics = _run_local(cfg, rows, writer, done, bar).to_dict()
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
@@ -128,51 +116,28 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
         for s, h in previous.items():
             signal.signal(s, h)
     bar.close()
-    writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
-                    cfg.output.include_token_ids, rows.num_rows)
-    reasons = pq.read_table(cfg.output.path, columns=["finish_reason"]).column(0).to_pylist()
-    errors = reasons.count("error")
-    metrics.update(rows=rows.num_rows, rows_ok=rows.num_rows - errors, rows_error=errors,
-                   rows_resumed=len(done), job=cfg.name)
+    written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
+                              cfg.output.include_token_ids, rows.num_rows)
+    metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
+                   rows_error=written.rows_error, rows_resumed=len(done), job=cfg.name)
     write_metrics(cfg.output.path, metrics)
     print(summary(metrics, cfg.output.path), file=sys.stderr)
     return metrics
 
 
-def build_llm(cfg: JobConfig) -> LLM:
-    """The engine of a job: the model loaded once, the engine settings of the job file."""
-    e = cfg.engine
-    return LLM(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
-               max_model_len=cfg.model.max_model_len, page_size=e.page_size,
-               kv_cache_memory=_kv_memory(e.kv_cache_memory), max_num_seqs=e.max_num_seqs,
-               max_batched_tokens=e.max_batched_tokens, prefix_sharing=e.prefix_sharing,
-               order=cfg.planner.order)
-
-
-def _run_local(cfg: JobConfig, rows: InputRows, writer: CheckpointWriter, done: set[int],
-               bar: Progress) -> dict:
+def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done: set[int],
+               bar: Progress) -> RunMetrics:
     """The single-process path: every row planned (so that a resumed run makes the same plan),
     the rows in `done` skipped."""
-    llm = build_llm(cfg)
-    inputs, prompts = build_rows(llm.tokenizer, cfg.input, cfg.sampling, rows,
-                                 list(range(rows.num_rows)))
-    ids = rows.ids.to_pylist()
+    runtime = Runtime.from_config(cfg)
+    rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
+                      keep_prompt=cfg.output.include_prompt)
 
-    def on_output(i: int, out: RequestOutput) -> None:
-        writer.add(output_row(i, ids[i], prompts[i], out))
-        bar.row_done(out)
+    def on_row(row) -> None:
+        writer.add(row)
+        bar.row_done(row)
 
-    return llm.run(inputs, on_output, bar.step, skip=done)
-
-
-def output_row(i: int, row_id: object, prompt: str | None, out: RequestOutput) -> dict:
-    """One finished row as CheckpointWriter.add takes it."""
-    return {
-        "row": i, "id": row_id, "completion": out.text, "finish_reason": out.finish_reason,
-        "prompt_tokens": out.prompt_tokens, "completion_tokens": len(out.token_ids),
-        "cached_tokens": out.cached_tokens, "error": out.error, "prompt": prompt,
-        "token_ids": out.token_ids,
-    }
+    return runtime.run(rows, on_row, bar.step, skip=done)
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:
@@ -183,4 +148,4 @@ def _metadata(cfg: JobConfig) -> dict[str, str]:
     }
 
 
-__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "build_llm", "output_row", "run_job"]
+__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "run_job"]

@@ -4,31 +4,32 @@ With engine.workers > 1 it also shows the shards (planning is local: no Ray inst
 from __future__ import annotations
 
 from batchllm.config import load_job
-from batchllm.job import partitioned
-from batchllm.model.weights import load_tokenizer, resolve_model
+from batchllm.model.weights import job_model
+from batchllm.rows.build import build_rows
 from batchllm.rows.reader import read_input
-from batchllm.rows.requests import build_rows
-from batchllm.scale.assign import describe, partition_job, plan_rows
-from batchllm.scale.assign import shard_job as _shard_job
+from batchllm.scale.assign import describe, job_plan, partition_job, partitioned, shard_job
+from batchllm.scale.cluster import require_ray
 
 
 def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     cfg = load_job(job, overrides)
-    rows = read_input(cfg.input)
-    tokenizer = load_tokenizer(resolve_model(cfg.model.path))
-    inputs, _ = build_rows(tokenizer, cfg.input, cfg.sampling, rows, list(range(rows.num_rows)))
+    require_ray(cfg)
+    source = read_input(cfg.input)
+    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    rows = build_rows(tokenizer, cfg.input, cfg.sampling, source, keep_prompt=False)
     partition = partitioned(cfg)
     if cfg.engine.workers > 1:
-        cut = partition_job if partition else _shard_job
-        sharded = cut(inputs, cfg, cfg.engine.workers)
-        plan, good = sharded.plan, sharded.planned
+        cut = partition_job if partition else shard_job
+        sharded = cut(rows, cfg, limit, cfg.engine.workers)
+        planned = sharded.planned
     else:
-        plan, good = plan_rows(inputs, cfg)
+        planned = job_plan(rows, cfg, limit)
+    plan = planned.plan
     s = plan.stats()
     report: dict[str, object] = {
         "job": cfg.name,
-        "rows": rows.num_rows,
-        "rows_with_errors": rows.num_rows - len(good),
+        "rows": source.num_rows,
+        "rows_with_errors": source.num_rows - len(planned.rows),
         "prompt_tokens": s["prompt_tokens"],
         "tree_tokens": s["tree_tokens"],
         "predicted_prefill_tokens": s["predicted_prefill_tokens"],

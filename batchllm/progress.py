@@ -6,7 +6,8 @@ import time
 
 from tqdm import tqdm
 
-from batchllm.engine.engine import EngineStats
+from batchllm.engine.metrics import EngineStats
+from batchllm.rows.record import Row
 
 
 class Progress:
@@ -20,9 +21,9 @@ class Progress:
         self.cached_tokens = 0
         self._last = 0.0
 
-    def row_done(self, out) -> None:
-        self.prompt_tokens += out.prompt_tokens
-        self.cached_tokens += out.cached_tokens
+    def row_done(self, row: Row) -> None:
+        self.prompt_tokens += row.prompt_tokens
+        self.cached_tokens += row.cached_tokens
         self.bar.update(1)
 
     def step(self, stats: EngineStats) -> None:

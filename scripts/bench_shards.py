@@ -25,7 +25,6 @@ from itertools import pairwise
 import numpy as np
 from bench_planner import synthetic
 
-from batchllm.llm import RowInput
 from batchllm.plan.partition import (
     choose_cuts,
     common_tokens,
@@ -37,13 +36,14 @@ from batchllm.plan.partition import (
 from batchllm.plan.planner import make_plan
 from batchllm.plan.shards import make_shards
 from batchllm.rows.blocks import BLOCK_ROWS
+from batchllm.rows.record import Row
 from batchllm.sampling_params import SamplingParams
 
 
 def partition(tokens: np.ndarray, offsets: np.ndarray, max_tokens: np.ndarray,
               workers: int) -> None:
-    rows = [RowInput(tokens[offsets[i] : offsets[i + 1]], SamplingParams(max_tokens=int(m)), i,
-                     None) for i, m in enumerate(max_tokens.tolist())]
+    rows = [Row(i, i, tokens[offsets[i] : offsets[i + 1]], SamplingParams(max_tokens=int(m)))
+            for i, m in enumerate(max_tokens.tolist())]
     blocks = [rows[lo : lo + BLOCK_ROWS] for lo in range(0, len(rows), BLOCK_ROWS)]
     per_block = samples_per_block(len(blocks))
     t0 = time.perf_counter()

@@ -6,9 +6,13 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 from hf_reference import tiny_model_folder
+
+from batchllm.rows.record import Row
+from batchllm.sampling_params import SamplingParams
 
 
 def tiny_job(tmp: Path, name: str, job_name: str, prompts: list[str], sampling: dict,
@@ -30,3 +34,16 @@ def tiny_job(tmp: Path, name: str, job_name: str, prompts: list[str], sampling: 
     path = tmp / f"{name}.yaml"
     path.write_text(json.dumps(job))  # JSON is YAML
     return path
+
+
+def output_row(index: int, line: dict) -> Row:
+    """A line of a final output file (a dict of its columns) as the finished Row that wrote it,
+    to put into a checkpoint part as an earlier run would have."""
+    prompt_ids = np.zeros(line["prompt_tokens"], np.int32)  # only the count is written
+    row = Row(index, line["id"], prompt_ids, SamplingParams(), line.get("prompt"))
+    if line["finish_reason"] == "error":
+        row.fail(line["error"])
+    else:
+        row.finish(line.get("token_ids") or [0] * line["completion_tokens"], line["completion"],
+                   line["finish_reason"], line["cached_tokens"])
+    return row

@@ -17,6 +17,7 @@ from batchllm.config import (
     load_job,
     parse_size,
 )
+from batchllm.scale.cluster import require_ray
 
 MINIMAL = {"input": {"path": "in.parquet"}, "output": {"path": "out.parquet"},
            "sampling": {"max_tokens": 8}}
@@ -68,7 +69,7 @@ def test_load_job_file(tmp_path):
                                     "input": {"path": "in.parquet", "id_column": "id"}}))
     job = load_job(path)
     assert job.name == "legal"  # the file stem
-    assert job.engine.kv_cache_memory == "4GiB" and job.input.id_column == "id"
+    assert job.engine.kv_cache_memory == 4 * 2**30 and job.input.id_column == "id"
 
 
 FRACTION_OR_SIZE = "expected a fraction in (0, 1] or a size such as '4GiB'"
@@ -122,19 +123,24 @@ def test_all_errors_reported_at_once():
         "engine.page_size: expected a positive integer, got -1"]
 
 
-def test_workers_need_ray():
-    d = _with("engine", workers=2)
-    if importlib.util.find_spec("ray") is None:
-        assert _error(d) == "engine.workers: 2 workers need Ray; pip install batchllm[ray]"
-    else:
-        assert job_from_dict(d).engine.workers == 2
+def test_workers_need_ray(monkeypatch):
+    """The job file is valid either way; a run or a plan of it stops at once without Ray."""
+    job = job_from_dict(_with("engine", workers=2))
+    assert job.engine.workers == 2
+    require_ray(job)  # Ray is installed with the test extra
+    real = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == "ray" else real(name, *a))
+    with pytest.raises(ConfigError) as e:
+        require_ray(job)
+    assert str(e.value) == "engine.workers: 2 workers need Ray; pip install batchllm[ray]"
 
 
 def test_overrides():
     job = job_from_dict(MINIMAL, ["sampling.temperature=0.7", "engine.kv_cache_memory=512MiB",
                                   "sampling.stop=['###', END]", "output.mode=resume",
                                   "engine.ray_address=", "name=nightly", "sampling.seed = 3"])
-    assert job.sampling.temperature == 0.7 and job.engine.kv_cache_memory == "512MiB"
+    assert job.sampling.temperature == 0.7 and job.engine.kv_cache_memory == 512 * 2**20
     assert job.sampling.stop == ("###", "END") and job.output.mode == "resume"
     assert job.engine.ray_address is None and job.name == "nightly" and job.sampling.seed == 3
     assert job_from_dict(MINIMAL, ["sampling.stop=###"]).sampling.stop == ("###",)

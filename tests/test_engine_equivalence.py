@@ -100,8 +100,8 @@ def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None
     try:
         llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu",
                   kv_cache_memory=64 << 20, prefix_sharing=sharing, max_batched_tokens=29)
-        assert llm.engine.attention.ops.paged_attention.__name__ == "paged_attention_ref"
-        assert llm.engine.loaded.model.pointwise is cpu_ops.TORCH_OPS
+        assert llm.runtime.engine.attention.ops.paged_attention.__name__ == "paged_attention_ref"
+        assert llm.runtime.loaded.model.pointwise is cpu_ops.TORCH_OPS
         outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
     finally:
         for load in loaders:

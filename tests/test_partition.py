@@ -13,7 +13,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from test_shards import brute_duplicated, distinct_prefixes
 
-from batchllm.llm import RowInput
 from batchllm.plan.partition import (
     KEY_TOKENS,
     choose_cuts,
@@ -22,6 +21,7 @@ from batchllm.plan.partition import (
     row_key,
     sample_block,
 )
+from batchllm.rows.record import Row
 from batchllm.sampling_params import SamplingParams
 
 token_lists = st.lists(st.lists(st.integers(0, 70000), min_size=1, max_size=12), min_size=1,
@@ -44,7 +44,7 @@ def test_key_stops_after_key_tokens():
     assert row_key(long) == row_key(long[:KEY_TOKENS]) and len(row_key(long)) == 4 * KEY_TOKENS
 
 
-def nested_rows(seed: int, n: int) -> list[RowInput]:
+def nested_rows(seed: int, n: int) -> list[Row]:
     """System prompt > 3 templates > documents > questions, with exact duplicates and max_tokens
     1..40, plus rows that cannot run."""
     rng = random.Random(seed)
@@ -54,16 +54,16 @@ def nested_rows(seed: int, n: int) -> list[RowInput]:
     rows = []
     for i in range(n):
         if i % 17 == 5:
-            rows.append(RowInput(None, SamplingParams(max_tokens=4), i, "the prompt is null"))
+            rows.append(Row(i, i, None, SamplingParams(max_tokens=4), error="the prompt is null"))
             continue
         t, d = templates[rng.randrange(3)], docs[rng.randrange(12)]
         q = [rng.randrange(1000) for _ in range(rng.randrange(0, 8))]
-        rows.append(RowInput(np.array(system + t + d + q, np.int32),
-                             SamplingParams(max_tokens=rng.randrange(1, 41)), i, None))
+        rows.append(Row(i, i, np.array(system + t + d + q, np.int32),
+                        SamplingParams(max_tokens=rng.randrange(1, 41))))
     return rows
 
 
-def blocks_of(rows: list[RowInput], size: int) -> list[list[RowInput]]:
+def blocks_of(rows: list[Row], size: int) -> list[list[Row]]:
     return [rows[lo : lo + size] for lo in range(0, len(rows), size)]
 
 
@@ -96,7 +96,7 @@ def test_parts_are_contiguous_balanced_and_count_cut_tokens_exactly():
 
 
 def test_equal_keys_never_split_and_few_keys_leave_parts_empty():
-    same = [RowInput(np.array([5, 6, 7], np.int32), SamplingParams(max_tokens=9), i, None)
+    same = [Row(i, i, np.array([5, 6, 7], np.int32), SamplingParams(max_tokens=9))
             for i in range(40)]
     uppers = choose_cuts([sample_block(same[:20], 8), sample_block(same[20:], 8)], 4)
     assert uppers == []
@@ -106,9 +106,9 @@ def test_equal_keys_never_split_and_few_keys_leave_parts_empty():
 def test_cut_prefers_the_boundary_that_shares_least():
     """Two templates of equal cost: the one cut between them shares 0 tokens, not the cut
     inside a template near the exact middle."""
-    a = [RowInput(np.array([1, 2, 3, 4, 10 + i], np.int32), SamplingParams(max_tokens=5), i, None)
+    a = [Row(i, i, np.array([1, 2, 3, 4, 10 + i], np.int32), SamplingParams(max_tokens=5))
          for i in range(21)]
-    b = [RowInput(np.array([9, 8, 7, 6, 10 + i], np.int32), SamplingParams(max_tokens=5), i, None)
+    b = [Row(i, i, np.array([9, 8, 7, 6, 10 + i], np.int32), SamplingParams(max_tokens=5))
          for i in range(19)]
     uppers = choose_cuts([sample_block(a + b, 64)], 2, tolerance=0.3)
     part = route(a + b, uppers)
@@ -118,9 +118,9 @@ def test_cut_prefers_the_boundary_that_shares_least():
 def test_unsampled_rows_stay_with_their_subtree():
     """Sparse samples: the cut goes just below the common prefix of the sampled neighbours, so
     the rows of a subtree that no sample represents still land with it."""
-    a = [RowInput(np.array([1, 2, 3, 50 + i], np.int32), SamplingParams(max_tokens=5), i, None)
+    a = [Row(i, i, np.array([1, 2, 3, 50 + i], np.int32), SamplingParams(max_tokens=5))
          for i in range(31)]  # samples: every 15th row in key order, so not a's last row
-    b = [RowInput(np.array([1, 2, 9, 50 + i], np.int32), SamplingParams(max_tokens=5), i, None)
+    b = [Row(i, i, np.array([1, 2, 9, 50 + i], np.int32), SamplingParams(max_tokens=5))
          for i in range(29)]
     uppers = choose_cuts([sample_block(a + b, 4)], 2, tolerance=0.5)
     assert route(a + b, uppers).tolist() == [0] * 31 + [1] * 29

@@ -9,7 +9,7 @@ from hf_reference import tiny_model_folder
 
 from batchllm import LLM, SamplingParams
 from batchllm.engine.sampler import filtered_probs, row_key, uniform
-from batchllm.llm import RowInput
+from batchllm.rows.record import Row
 
 
 @pytest.fixture(scope="module")
@@ -26,9 +26,9 @@ def prompts(n: int = 8) -> list[np.ndarray]:
 
 def run_rows(llm: LLM, order: list[int], sp: SamplingParams) -> dict[str, list[int]]:
     ps = prompts()
-    rows = [RowInput(ps[i], sp, f"row-{i}") for i in order]
+    rows = [Row(k, f"row-{i}", ps[i], sp) for k, i in enumerate(order)]
     out: dict[str, list[int]] = {}
-    llm.run(rows, lambda k, o: out.__setitem__(rows[k].row_id, o.token_ids))
+    llm.runtime.run(rows, lambda row: out.__setitem__(row.id, row.token_ids))
     return out
 
 

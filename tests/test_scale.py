@@ -14,13 +14,14 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from job_files import tiny_job
+from job_files import output_row, tiny_job
 
 from batchllm.config import ConfigError, load_job
-from batchllm.job import fingerprint, partitioned, run_job
+from batchllm.job import fingerprint, run_job
 from batchllm.plan_report import plan_job
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
+from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import actor_name
 
 ray = pytest.importorskip("ray")
@@ -145,7 +146,7 @@ def test_partition_reports_a_bad_column_of_one_block(tmp_path, local_ray):
 def test_auto_sharding_partitions_above_the_driver_limit(tmp_path, monkeypatch):
     cfg = load_job(str(make_job(tmp_path, "auto", workers=2)))
     assert not partitioned(cfg)
-    monkeypatch.setattr("batchllm.job.DRIVER_PLAN_ROWS", ROWS - 1)
+    monkeypatch.setattr("batchllm.scale.assign.DRIVER_PLAN_ROWS", ROWS - 1)
     assert partitioned(cfg)
     assert not partitioned(load_job(str(tmp_path / "auto.yaml"), ["engine.sharding=tree"]))
 
@@ -184,7 +185,7 @@ def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
     done = list(range(0, ROWS, 3))
     writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, read_input(cfg.input).files))
     for i in done:
-        writer.add({**single.slice(i, 1).to_pylist()[0], "row": i})
+        writer.add(output_row(i, single.slice(i, 1).to_pylist()[0]))
     writer.flush()
     metrics = run_job(cfg, progress=False)
     assert pq.read_table(cfg.output.path).equals(single)

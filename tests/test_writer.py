@@ -3,22 +3,28 @@
 import json
 import os
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
 from batchllm.config import ConfigError
 from batchllm.rows import writer as writer_module
+from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter, output_schema, write_metrics
+from batchllm.sampling_params import SamplingParams
 
 FP = {"job": "legal", "model": "smollm2-135m-instruct", "sampling": {"max_tokens": 8}}
 
 
-def _row(i: int, ok: bool = True) -> dict:
-    return {"row": i, "id": f"r{i}", "completion": f"text {i}" if ok else None,
-            "finish_reason": "length" if ok else "error", "prompt_tokens": 10 + i,
-            "completion_tokens": 8 if ok else 0, "cached_tokens": 4, "error": None if ok else
-            "prompt too long", "prompt": f"prompt {i}", "token_ids": [i, i + 1]}
+def _row(i: int, ok: bool = True, row_id: object = None) -> Row:
+    row = Row(i, f"r{i}" if row_id is None else row_id, np.arange(10 + i, dtype=np.int32),
+              SamplingParams(max_tokens=8), f"prompt {i}")
+    if ok:
+        row.finish([i, i + 1], f"text {i}", "length", 4)
+    else:
+        row.fail("prompt too long")
+    return row
 
 
 def test_parts_flush_by_count_and_carry_fingerprint(tmp_path):
@@ -91,7 +97,7 @@ def test_final_schema_and_metadata(tmp_path):
     out = tmp_path / "o.parquet"
     w = CheckpointWriter(out, FP)
     for i in (1, 0):
-        w.add({**_row(i), "id": i})
+        w.add(_row(i, row_id=i))
     w.finalize(pa.int64(), {"job": "legal", "model": "m"}, include_prompt=True,
                include_token_ids=True, num_rows=2)
     table = pq.read_table(out)
@@ -107,7 +113,7 @@ def test_final_schema_and_metadata(tmp_path):
 
 def test_id_cast_to_input_type_and_empty_job(tmp_path):
     w = CheckpointWriter(tmp_path / "o.parquet", FP)
-    w.add({**_row(0), "id": 7})
+    w.add(_row(0, row_id=7))
     w.finalize(pa.int32(), {}, include_prompt=False, include_token_ids=False)
     table = pq.read_table(tmp_path / "o.parquet")
     assert table.schema.field("id").type == pa.int32() and table.num_rows == 1

@@ -7,60 +7,21 @@ scheduled token, advance the counters, sample, stop, and hand finished rows back
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
 from batchllm.engine.runner import ModelRunner
-from batchllm.engine.sampler import sample
+from batchllm.engine.sampler import row_key, sample
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import PagedAttention
 from batchllm.model.loader import LoadedModel
-from batchllm.sampling_params import SamplingParams
-
-if TYPE_CHECKING:
-    from batchllm.plan.planner import Plan
-
-
-@dataclass(frozen=True)
-class EngineRequest:
-    row: int  # index of the row in the job
-    prompt_ids: np.ndarray  # [P] int32
-    sampling: SamplingParams
-    rng_key: int  # from the job seed and the row id (sampler.row_key)
-
-
-class RowResult(NamedTuple):
-    row: int
-    token_ids: list[int]
-    text: str
-    finish_reason: str
-    prompt_tokens: int
-    cached_tokens: int
-
-
-@dataclass
-class EngineStats:
-    """Live and final counters, for the progress line and the metrics file."""
-
-    kv_pages_total: int = 0
-    kv_bytes_per_token: int = 0
-    prefill_tokens: int = 0
-    completion_tokens: int = 0
-    rows_done: int = 0
-    steps: int = 0
-    preemptions: int = 0
-    kv_pages_in_use: int = 0
-    kv_pages_peak: int = 0
-    kv_pages_shared: int = 0
-    kv_pages_shared_peak: int = 0
-    waiting: int = 0
-    running: int = 0
+from batchllm.plan.planner import Plan
+from batchllm.rows.record import Row
 
 
 class Engine:
@@ -90,12 +51,13 @@ class Engine:
 
     def run(
         self,
-        requests: list[EngineRequest],
+        rows: list[Row],
         plan: Plan,
-        on_result: Callable[[RowResult], None],
+        on_row: Callable[[Row], None],
         on_step: Callable[[EngineStats], None] | None = None,
     ) -> EngineStats:
-        """Runs every item of the plan; `requests[i]` is the plan's row i."""
+        """Runs every item of the plan; `rows[k]` is the plan's row k. Each row gets its result
+        and goes to on_row the moment it finishes."""
         pool = PagePool(self.num_pages)
         users = {int(n): int(c) for n, c in enumerate(plan.node_users)}
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users)
@@ -108,7 +70,7 @@ class Engine:
         window = self.max_num_seqs + 128
         while True:
             while cursor < len(kinds) and len(sched.waiting) < window:
-                sched.add(self._sequence(kinds[cursor], ids[cursor], requests, plan, terminal))
+                sched.add(self._sequence(kinds[cursor], ids[cursor], rows, plan, terminal))
                 cursor += 1
             if not sched.has_work:
                 break
@@ -124,21 +86,21 @@ class Engine:
                 out = self.runner.run(step.seqs, step.num_tokens, wants)
                 stats.prefill_tokens += out.prefill_tokens
             sched.step_done(step)
-            to_sample, rows = [], []
+            to_sample, sampling = [], []  # logits rows and the sequences they sample for
             if out is not None:
                 for i, seq in enumerate(out.sampled):
                     if seq.kind is Kind.PREFIX:
                         node_logits[seq.key] = out.logits[i]
                     else:
                         to_sample.append(out.logits[i])
-                        rows.append(seq)
+                        sampling.append(seq)
             for seq in step.from_prefix:
                 to_sample.append(node_logits[seq.parent])
-                rows.append(seq)
-            if rows:
-                only_rows = not step.from_prefix and len(rows) == out.logits.shape[0]
+                sampling.append(seq)
+            if sampling:
+                only_rows = not step.from_prefix and len(sampling) == out.logits.shape[0]
                 logits = out.logits if only_rows else torch.stack(to_sample)  # [S, V]
-                self._sample(logits, rows, sched, on_result, stats)
+                self._sample(logits, sampling, sched, rows, on_row, stats)
             for node in [n for n in node_logits if n not in sched.prefixes]:
                 del node_logits[node]
             stats.steps += 1
@@ -155,37 +117,40 @@ class Engine:
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
 
-    def _sequence(self, kind: int, key: int, requests, plan: Plan, terminal: set[int]) -> Sequence:
+    def _sequence(self, kind: int, key: int, rows: list[Row], plan: Plan,
+                  terminal: set[int]) -> Sequence:
         if kind == 0:  # a shared prefix node
-            src = requests[int(plan.node_source_row[key])].prompt_ids
+            src = rows[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])
             return Sequence(
                 Kind.PREFIX, key, src[:end].tolist(), end, parent=int(plan.node_parent[key]),
                 wants_logits=key in terminal,
             )
-        r = requests[key]
+        r = rows[key]
         return Sequence(
             Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
-            parent=int(plan.row_parent[key]), sampling=r.sampling, rng_key=r.rng_key,
+            parent=int(plan.row_parent[key]), sampling=r.sampling,
+            rng_key=row_key(r.sampling.seed, r.id),
         )
 
-    def _sample(self, logits, rows: list[Sequence], sched, on_result, stats) -> None:
-        sp = [s.sampling for s in rows]
+    def _sample(self, logits, seqs: list[Sequence], sched, rows: list[Row], on_row,
+                stats) -> None:
+        sp = [s.sampling for s in seqs]
         tokens = sample(
             logits,
             [p.temperature for p in sp],
             [p.top_k for p in sp],
             [p.top_p for p in sp],
-            [s.rng_key for s in rows],
-            [len(s.output_ids) for s in rows],
+            [s.rng_key for s in seqs],
+            [len(s.output_ids) for s in seqs],
         )
-        for seq, tok in zip(rows, tokens):
+        for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
             stats.completion_tokens += 1
             if self.stopper.check(seq):
                 sched.finish(seq)
                 stats.rows_done += 1
-                on_result(RowResult(
-                    seq.key, seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
-                    seq.num_prompt_tokens, seq.cached_tokens,
-                ))
+                row = rows[seq.key]
+                row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
+                           seq.cached_tokens)
+                on_row(row)

@@ -9,7 +9,13 @@ import torch
 
 from batchllm.model.errors import ModelError
 from batchllm.model.llama import LlamaModel
-from batchllm.model.weights import eos_token_ids, load_tokenizer, load_weights, resolve_model
+from batchllm.model.weights import (
+    eos_token_ids,
+    load_tokenizer,
+    load_weights,
+    model_len_limit,
+    resolve_model,
+)
 
 
 @dataclass
@@ -45,13 +51,7 @@ def load_model(
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path)
     config, state = load_weights(folder, dt, dev)
-    limit = config.max_position_embeddings
-    if max_model_len is not None:
-        if max_model_len > limit:
-            raise ModelError(
-                f"model.max_model_len: {max_model_len} exceeds the model's limit of {limit}"
-            )
-        limit = max_model_len
+    limit = model_len_limit(config, max_model_len)
     tokenizer = load_tokenizer(folder)
     model = LlamaModel(config, state, limit)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,

@@ -20,8 +20,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
-from batchllm.model.errors import ModelNotFoundError
-
+from batchllm.model.errors import ModelError, ModelNotFoundError
 
 # alias -> (pip package, module holding the GGUF file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -137,6 +136,15 @@ def load_config(folder: Path) -> PretrainedConfig:
     return AutoConfig.from_pretrained(folder)
 
 
+def model_len_limit(config: PretrainedConfig, requested: int | None = None) -> int:
+    """The longest sequence (prompt and completion) a run allows: the model's own limit, or
+    model.max_model_len when the job asks for less."""
+    limit = config.max_position_embeddings
+    if requested is not None and requested > limit:
+        raise ModelError(f"model.max_model_len: {requested} exceeds the model's limit of {limit}")
+    return limit if requested is None else requested
+
+
 def load_weights(
     folder: Path, dtype: torch.dtype, device: torch.device | str
 ) -> tuple[PretrainedConfig, dict[str, torch.Tensor]]:
@@ -197,3 +205,10 @@ def eos_token_ids(
     if tokenizer.eos_token_id is not None:
         ids.add(int(tokenizer.eos_token_id))
     return ids
+
+
+def job_model(path: str, requested_len: int | None) -> tuple[PreTrainedTokenizerBase, int]:
+    """What planning a job needs of its model without loading the weights: the tokenizer and
+    the length limit (model_len_limit)."""
+    folder = resolve_model(path)
+    return load_tokenizer(folder), model_len_limit(load_config(folder), requested_len)

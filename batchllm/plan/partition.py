@@ -8,7 +8,8 @@ on either side of the cut. (A hash of the first page would send every row of a j
 with one system prompt to the same worker.)
 
 Keys are the first KEY_TOKENS token ids as big-endian uint32 bytes, so byte order is token order
-and a prefix sorts before its extensions. Rows that cannot run have the empty key (partition 0).
+and a prefix sorts before its extensions. Rows that cannot run have the empty key (partition 0):
+the rows given here must have been admitted (rows/admission.py), so that their error says so.
 Torch-free and Ray-free.
 """
 
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchllm.llm import RowInput
+from batchllm.rows.record import Row
 
 KEY_TOKENS = 1024  # rows equal in their first 1024 tokens always land on the same worker
 SAMPLES = 32768  # keys the driver receives from all blocks together (each at most 4 KiB)
@@ -30,11 +31,6 @@ def row_key(prompt_ids: np.ndarray | None) -> bytes:
     if prompt_ids is None:
         return b""
     return np.asarray(prompt_ids[:KEY_TOKENS], dtype=">u4").tobytes()
-
-
-def runnable(row: RowInput) -> bool:
-    """The row has tokens and valid sampling (it will be in its worker's plan)."""
-    return row.prompt_ids is not None and row.error is None and row.sampling.problem() is None
 
 
 def common_tokens(a: bytes, b: bytes) -> int:
@@ -56,10 +52,10 @@ class BlockSample:
     weights: np.ndarray  # [S] int64
 
 
-def sample_block(rows: Sequence[RowInput], max_samples: int) -> BlockSample:
+def sample_block(rows: Sequence[Row], max_samples: int) -> BlockSample:
     """Every ceil(n / max_samples)-th runnable row of the block in key order, with the cost of the
     rows up to it."""
-    good = [r for r in rows if runnable(r)]
+    good = [r for r in rows if r.ok]
     if not good:
         return BlockSample([], np.zeros(0, np.int64))
     keys = [row_key(r.prompt_ids) for r in good]
@@ -128,7 +124,7 @@ def _upper(left: bytes, right: bytes) -> bytes:
     return left[: 4 * (shared + 1)] + b"\xff" * 4
 
 
-def route(rows: Sequence[RowInput], uppers: Sequence[bytes]) -> np.ndarray:
+def route(rows: Sequence[Row], uppers: Sequence[bytes]) -> np.ndarray:
     """[n] int32 part of each row: the first part whose upper key is >= the row's key."""
-    return np.asarray([bisect.bisect_left(uppers, row_key(r.prompt_ids)) if runnable(r) else 0
+    return np.asarray([bisect.bisect_left(uppers, row_key(r.prompt_ids)) if r.ok else 0
                        for r in rows], np.int32)

@@ -15,13 +15,15 @@ import math
 import os
 import shutil
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm.config import ConfigError
+from batchllm.rows.record import ERROR, Row
 
 FINGERPRINT_KEY = b"batchllm.fingerprint"
 
@@ -37,6 +39,26 @@ _PART_FIELDS = [
     pa.field("prompt", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32())),
 ]
+
+
+class Finalized(NamedTuple):
+    """What finalize wrote: the output file, its rows, and how many of them are errors."""
+
+    path: str
+    rows: int
+    rows_error: int
+
+
+def part_row(row: Row) -> dict[str, Any]:
+    """A finished row as one line of a part: the values of _PART_FIELDS, and its id."""
+    return {
+        "row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
+        "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
+        "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
+        "token_ids": row.token_ids, "id": row.id,
+    }
+
+
 OUTPUT_COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
                   "cached_tokens", "error")
 
@@ -91,14 +113,14 @@ class CheckpointWriter:
         self._fingerprint_json = _canonical(fingerprint)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
-        self._rows: list[dict] = []
+        self._rows: list[dict] = []  # part_row of each finished row not yet in a part
         self._last_flush = time.monotonic()
         self._next_part: int | None = None
 
     # -- while running ---------------------------------------------------------------------
-    def add(self, row: dict[str, Any]) -> None:
-        """Buffer one finished row: {"row": input index, "id": ..., output columns ...}."""
-        self._rows.append(row)
+    def add(self, row: Row) -> None:
+        """Buffer one finished row (it is copied: later changes to it are not written)."""
+        self._rows.append(part_row(row))
         self.maybe_flush()
 
     def maybe_flush(self) -> None:
@@ -166,11 +188,11 @@ class CheckpointWriter:
 
     # -- the end -------------------------------------------------------------------------------
     def finalize(self, id_type: pa.DataType, metadata: dict[str, str], include_prompt: bool,
-                 include_token_ids: bool, num_rows: int | None = None) -> str:
+                 include_token_ids: bool, num_rows: int | None = None) -> Finalized:
         """Write the final file sorted by row, atomically, then remove the parts folder.
 
         With num_rows, check that rows 0..num_rows-1 are all there (RuntimeError if not).
-        Returns the output path.
+        Returns the path and the rows written, error rows counted as they are written.
         """
         self.flush()
         schema = output_schema(id_type, include_prompt, include_token_ids)
@@ -192,7 +214,8 @@ class CheckpointWriter:
             os.makedirs(folder, exist_ok=True)
         _write_atomic(self.output_path, lambda f: pq.write_table(final, f))
         self.clear()
-        return self.output_path
+        errors = pc.sum(pc.equal(final.column("finish_reason"), ERROR)).as_py() or 0
+        return Finalized(self.output_path, final.num_rows, errors)
 
 
 def _mismatch(where: str, theirs: dict, ours: dict) -> str:

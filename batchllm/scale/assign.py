@@ -12,18 +12,32 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchllm.config import JobConfig
-from batchllm.llm import RowInput
-from batchllm.plan.partition import runnable
-from batchllm.plan.planner import Plan, make_plan
+from batchllm.plan.partition import choose_cuts, route, sample_block, samples_per_block
+from batchllm.plan.rows_plan import RowsPlan, plan_rows
 from batchllm.plan.shards import Shards, make_shards
+from batchllm.rows.blocks import BLOCK_ROWS, count_rows
+from batchllm.rows.record import Row
+
+DRIVER_PLAN_ROWS = 1_000_000  # engine.sharding auto: above this, tasks partition the input
+
+
+def partitioned(cfg: JobConfig) -> bool:
+    """Whether a sharded job's input is partitioned by Ray tasks (the driver reads only ids)."""
+    if cfg.engine.workers == 1 or cfg.engine.sharding == "tree":
+        return False
+    return cfg.engine.sharding == "partition" or count_rows(cfg.input) > DRIVER_PLAN_ROWS
+
+
+def plan_index(planned: RowsPlan) -> np.ndarray:
+    """[R] int64: the input row index of each plan row."""
+    return np.asarray([r.index for r in planned.rows], np.int64)
 
 
 @dataclass(eq=False)
 class JobShards:
     """A job's plan and its shards; `rows[k]` are the input row indices of shard k (sorted)."""
 
-    plan: Plan  # over the rows that can run (`planned`), in their input order
-    planned: np.ndarray  # [R] int64 input row index of each plan row
+    planned: RowsPlan  # over the rows that can run, in their input order
     shards: Shards
     rows: list[np.ndarray]  # [N] of int64 input row indices
 
@@ -35,45 +49,40 @@ class JobShards:
         return s
 
 
-def plan_rows(inputs: Sequence[RowInput], cfg: JobConfig) -> tuple[Plan, np.ndarray]:
-    """The plan of the rows that can run (no known error), and their input indices."""
-    good = np.array([i for i, r in enumerate(inputs) if runnable(r)], np.int64)
-    plan = make_plan(
-        [inputs[i].prompt_ids for i in good],
-        np.asarray([inputs[i].sampling.max_tokens for i in good], dtype=np.int32),
-        prefix_sharing=cfg.engine.prefix_sharing,
-        order=cfg.planner.order,
-    )
-    return plan, good
+def job_plan(rows: Sequence[Row], cfg: JobConfig, max_model_len: int) -> RowsPlan:
+    """The job's one plan: its admitted rows, planned with the job's settings."""
+    return plan_rows(rows, max_model_len, cfg.engine.prefix_sharing, cfg.planner.order)
 
 
-def shard_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -> JobShards:
-    """Plan every row of the job and cut the plan into `num_shards` shards."""
-    plan, good = plan_rows(inputs, cfg)
-    shards = make_shards(plan, num_shards)
-    rows = [good[s] for s in shards.rows]
-    bad = np.setdiff1d(np.arange(len(inputs)), good)
+def shard_job(rows: Sequence[Row], cfg: JobConfig, max_model_len: int,
+              num_shards: int) -> JobShards:
+    """Plan every row of the job (rows[i].index == i) and cut the plan into shards."""
+    planned = job_plan(rows, cfg, max_model_len)
+    shards = make_shards(planned.plan, num_shards)
+    good = plan_index(planned)
+    out = [good[s] for s in shards.rows]
+    bad = np.setdiff1d(np.arange(len(rows)), good)
     if len(bad):
         k = int(np.argmin(shards.cost))
-        rows[k] = np.sort(np.concatenate((rows[k], bad)))
-    return JobShards(plan, good, shards, rows)
+        out[k] = np.sort(np.concatenate((out[k], bad)))
+    return JobShards(planned, shards, out)
 
 
-def partition_job(inputs: Sequence[RowInput], cfg: JobConfig, num_shards: int) -> JobShards:
+def partition_job(rows: Sequence[Row], cfg: JobConfig, max_model_len: int,
+                  num_shards: int) -> JobShards:
     """What engine.sharding: partition does, computed on this machine (for `batchllm plan`):
     the same sampling, cuts and routing over blocks of BLOCK_ROWS consecutive rows (the run's
     blocks are whole row groups, so its cuts may differ slightly); rows that cannot run go to
     part 0, as `route` sends them."""
-    from batchllm.plan.partition import choose_cuts, route, sample_block, samples_per_block
-    from batchllm.rows.blocks import BLOCK_ROWS
-
-    plan, good = plan_rows(inputs, cfg)
-    blocks = [inputs[lo : lo + BLOCK_ROWS] for lo in range(0, len(inputs), BLOCK_ROWS)]
+    planned = job_plan(rows, cfg, max_model_len)  # admits: sampling and routing see errors
+    blocks = [rows[lo : lo + BLOCK_ROWS] for lo in range(0, len(rows), BLOCK_ROWS)]
     per_block = samples_per_block(len(blocks))
     uppers = choose_cuts([sample_block(b, per_block) for b in blocks], num_shards)
-    part = route(inputs, uppers)  # [len(inputs)]
-    shards = Shards.of(plan, [np.flatnonzero(part[good] == k) for k in range(num_shards)])
-    return JobShards(plan, good, shards, [np.flatnonzero(part == k) for k in range(num_shards)])
+    part = route(rows, uppers)  # [len(rows)]
+    good = plan_index(planned)
+    shards = Shards.of(planned.plan,
+                       [np.flatnonzero(part[good] == k) for k in range(num_shards)])
+    return JobShards(planned, shards, [np.flatnonzero(part == k) for k in range(num_shards)])
 
 
 def describe(job: JobShards) -> dict[str, object]:

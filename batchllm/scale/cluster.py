@@ -5,14 +5,23 @@ Only this module and `driver` import ray, and only when a job has engine.workers
 
 from __future__ import annotations
 
+import importlib.util
 import os
 
-from batchllm.config import JobConfig
+from batchllm.config import ConfigError, JobConfig
 
 # A worker on a CPU-only cluster takes half a logical CPU: whole-CPU actors on a small machine
 # leave nothing for Ray's own tasks (seen on 2 cores: ray.init(num_cpus=2) with two 1-CPU actors
 # hung). Each actor's torch still uses the threads it is given (OMP_NUM_THREADS).
 CPU_WORKER_CPUS = 0.5
+
+
+def require_ray(cfg: JobConfig) -> None:
+    """A job of several workers cannot start without Ray: ConfigError (exit 2) before anything
+    is read or written."""
+    if cfg.engine.workers > 1 and importlib.util.find_spec("ray") is None:
+        raise ConfigError(f"engine.workers: {cfg.engine.workers} workers need Ray; "
+                          "pip install batchllm[ray]")
 
 
 def connect(cfg: JobConfig) -> bool:

@@ -19,19 +19,20 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from batchllm.config import JobConfig
-from batchllm.model.weights import load_tokenizer, resolve_model
+from batchllm.model.weights import job_model
 from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress
 from batchllm.rows.blocks import InputIndex
+from batchllm.rows.build import build_rows
 from batchllm.rows.reader import InputRows
-from batchllm.rows.requests import build_rows
+from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter
-from batchllm.scale.assign import JobShards, shard_job
+from batchllm.scale.assign import JobShards, plan_index, shard_job
 from batchllm.scale.cluster import connect, start_worker, use_gpus
-from batchllm.scale.merge import WorkerRecord, merge_metrics
+from batchllm.scale.merge import ShardedMetrics, WorkerRecord, merge_metrics
 from batchllm.scale.shuffle import Partitions, partition_rows
-from batchllm.scale.worker import ShardInput
+from batchllm.scale.worker import Shard
 
 MAX_RESTARTS = 3  # per worker; then the job fails (its finished rows stay in parts: resume)
 
@@ -55,22 +56,21 @@ class _PartsWatcher:
             self.seen.add(name)
 
 
-def _shard_input(job: JobShards, k: int, done: set[int], inputs, ids, prompts) -> ShardInput:
-    rows = job.rows[k].tolist()
-    return ShardInput(worker=k, rows=rows, inputs=[inputs[i] for i in rows],
-                      ids=[ids[i] for i in rows], prompts=[prompts[i] for i in rows],
-                      skip=[j for j, i in enumerate(rows) if i in done])
+def _shard(job: JobShards, k: int, done: set[int], rows: list[Row]) -> Shard:
+    mine = job.rows[k].tolist()
+    return Shard(k, [rows[i] for i in mine], done.intersection(mine))
 
 
 def _predicted(job: JobShards, k: int, done: set[int]) -> int:
     """Predicted prefill tokens of shard k's rows that are not done."""
-    plan_row = np.full(int(job.planned.max(initial=-1)) + 1, -1, np.int64)
-    plan_row[job.planned] = np.arange(len(job.planned))
+    planned = plan_index(job.planned)
+    plan_row = np.full(int(planned.max(initial=-1)) + 1, -1, np.int64)
+    plan_row[planned] = np.arange(len(planned))
     rows = job.rows[k]
     rows = rows[rows < len(plan_row)]
     todo = np.array([plan_row[i] for i in rows.tolist() if i not in done and plan_row[i] >= 0],
                     np.int64)
-    return shard_prefill(job.plan, todo)
+    return shard_prefill(job.planned.plan, todo)
 
 
 def _absolute_paths(cfg: JobConfig) -> JobConfig:
@@ -92,25 +92,23 @@ class _Work:
     # worker's own plan tells (partition)
 
 
-def _tree_work(cfg: JobConfig, rows: InputRows) -> tuple[_Work, JobShards]:
+def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[_Work, JobShards]:
     """engine.sharding: tree: the driver tokenizes and plans the whole job and cuts the plan."""
-    tokenizer = load_tokenizer(resolve_model(cfg.model.path))
-    inputs, prompts = build_rows(tokenizer, cfg.input, cfg.sampling, rows,
-                                 list(range(rows.num_rows)))
-    if not cfg.output.include_prompt:
-        prompts = [None] * len(prompts)
-    ids = rows.ids.to_pylist()
-    job = shard_job(inputs, cfg, cfg.engine.workers)
+    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    rows = build_rows(tokenizer, cfg.input, cfg.sampling, source,
+                      keep_prompt=cfg.output.include_prompt)
+    job = shard_job(rows, cfg, limit, cfg.engine.workers)
 
     def call(actor, k: int, done: set[int]):
-        return actor.run_shard.remote(_shard_input(job, k, done, inputs, ids, prompts))
+        return actor.run_shard.remote(_shard(job, k, done, rows))
 
     return _Work(job.rows, call, lambda k, done: _predicted(job, k, done)), job
 
 
 def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partitions]:
     """engine.sharding: partition: tasks tokenize and range-partition; workers plan."""
-    parts = partition_rows(cfg, index, cfg.engine.workers)
+    _, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    parts = partition_rows(cfg, index, cfg.engine.workers, limit)
 
     def call(actor, k: int, done: set[int]):
         mine = sorted(done.intersection(parts.rows[k].tolist()))
@@ -122,13 +120,12 @@ def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partition
 def _cut_tokens(records: list[WorkerRecord]) -> list[int]:
     """Prefix tokens computed on two workers at each cut between non-empty partitions: the
     longest common prefix of the largest key before the cut and the smallest after it."""
-    ranges = [w.result.get("key_range") for w in records]
-    ranges = [r for r in ranges if r]
+    ranges = [w.result.key_range for w in records if w.result and w.result.key_range]
     return [common_tokens(a[1], b[0]) for a, b in pairwise(ranges)]
 
 
 def run_sharded(cfg: JobConfig, source: InputRows | InputIndex, writer: CheckpointWriter,
-                done: set[int], bar: Progress) -> dict:
+                done: set[int], bar: Progress) -> ShardedMetrics:
     """Run every row not in `done` on engine.workers Ray actors; their parts land in
     writer.parts_dir. `source`: all input rows (the driver plans: engine.sharding tree) or the
     input's index (tasks tokenize and partition). Returns the merged metrics (run_job finalizes
@@ -191,7 +188,7 @@ def run_sharded(cfg: JobConfig, source: InputRows | InputIndex, writer: Checkpoi
     wall = time.perf_counter() - start
     if isinstance(source, InputIndex):
         for w in records:  # a worker plans its own part: its plan is the prediction
-            w.predicted_prefill_tokens = w.result.get("tree_tokens", 0)
+            w.predicted_prefill_tokens = w.result.metrics.tree_tokens if w.result else 0
         cuts = _cut_tokens(records) if cfg.engine.prefix_sharing else []
         stats = {"sharding": "partition", "blocks": parts.blocks,
                  "shard_rows": [len(r) for r in parts.rows], "cut_shared_tokens": cuts}

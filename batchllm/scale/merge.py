@@ -1,14 +1,12 @@
-"""The metrics of a sharded job: the single-process metrics summed over workers, the shards'
-predicted figures, and one entry per worker."""
+"""The metrics of a sharded job: the workers' run metrics merged (RunMetrics.merge, field by
+field), the shards' predicted figures, and one entry per worker."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-_SUMMED = ("rows", "prompt_tokens", "prefill_tokens", "cached_tokens", "completion_tokens",
-           "preemptions", "steps")
-_MAXED = ("kv_pages_total", "kv_pages_peak", "kv_pages_shared_peak")
-_SAME = ("kv_bytes_per_token", "page_size", "device", "dtype", "model")
+from batchllm.engine.metrics import RunMetrics
+from batchllm.scale.worker import WorkerResult
 
 
 @dataclass
@@ -19,37 +17,48 @@ class WorkerRecord:
     predicted_prefill_tokens: int = 0  # of the rows the last attempt was given to run
     restarts: int = 0  # attempts that died
     rows_recovered: int = 0  # rows a dead attempt had flushed to parts: not run again
-    result: dict = field(default_factory=dict)  # LLM.run metrics of the attempt that finished
+    result: WorkerResult | None = None  # of the attempt that finished
 
     def summary(self) -> dict:
-        r = self.result
+        m = self.result.metrics if self.result else RunMetrics()
         return {
             "worker": self.worker,
-            "rows": r.get("rows", 0),
-            "prefill_tokens": r.get("prefill_tokens", 0),
+            "rows": m.rows,
+            "prefill_tokens": m.prefill_tokens,
             "predicted_prefill_tokens": self.predicted_prefill_tokens,
-            "completion_tokens": r.get("completion_tokens", 0),
-            "wall_seconds": r.get("wall_seconds", 0.0),
+            "completion_tokens": m.completion_tokens,
+            "wall_seconds": self.result.wall_seconds if self.result else 0.0,
             "restarts": self.restarts,
             "rows_recovered": self.rows_recovered,
         }
 
 
+@dataclass
+class ShardedMetrics:
+    """A sharded job's figures: the merged run, then what only the driver knows."""
+
+    run: RunMetrics
+    workers: int
+    worker_restarts: int
+    rows_recovered: int
+    predicted_prefill_tokens: int
+    predicted_duplicated_prefix_tokens: int  # prefix tokens computed on more than one worker
+    shards: dict = field(default_factory=dict)  # the cut's figures (sharding mode, rows, cost)
+    per_worker: list[dict] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        d = self.run.to_dict()
+        d.update({k: v for k, v in vars(self).items() if k != "run"})
+        return d
+
+
 def merge_metrics(records: list[WorkerRecord], wall: float, tree_tokens: int,
-                  duplicated_tokens: int, shards: dict) -> dict:
-    """One metrics dict for the whole job; `rows` here counts the rows run (job.py sets the
-    job's row counts afterwards). tree_tokens: of the whole job on one worker;
-    duplicated_tokens: prefix tokens computed on more than one worker."""
-    results = [w.result for w in records if w.result]
-    m: dict = {k: sum(r.get(k, 0) for r in results) for k in _SUMMED}
-    m.update({k: max((r.get(k, 0) for r in results), default=0) for k in _MAXED})
-    m.update({k: results[0].get(k) for k in _SAME} if results else {})
-    completion, prompt = m["completion_tokens"], m["prompt_tokens"]
-    m.update(
-        tree_tokens=tree_tokens,
-        wall_seconds=wall,
-        output_tokens_per_s=completion / wall if wall else 0.0,
-        total_tokens_per_s=(prompt + completion) / wall if wall else 0.0,
+                  duplicated_tokens: int, shards: dict) -> ShardedMetrics:
+    """One record for the whole job; its `rows` counts the rows run (the job adds its own row
+    counts). tree_tokens: of the whole job on one worker."""
+    runs = [w.result.metrics for w in records if w.result]
+    return ShardedMetrics(
+        run=RunMetrics.merge(runs, tree_tokens=tree_tokens, wall_seconds=wall),
         workers=len(records),
         worker_restarts=sum(w.restarts for w in records),
         rows_recovered=sum(w.rows_recovered for w in records),
@@ -58,4 +67,3 @@ def merge_metrics(records: list[WorkerRecord], wall: float, tree_tokens: int,
         shards=shards,
         per_worker=[w.summary() for w in records],
     )
-    return m

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchllm.config import JobConfig
+from batchllm.config import ConfigError, JobConfig
 from batchllm.plan.partition import (
     BlockSample,
     choose_cuts,
@@ -21,8 +21,10 @@ from batchllm.plan.partition import (
     sample_block,
     samples_per_block,
 )
+from batchllm.rows.admission import admit
 from batchllm.rows.blocks import InputBlock, InputIndex, read_block
-from batchllm.scale.worker import ShardInput
+from batchllm.rows.build import build_rows
+from batchllm.scale.worker import Shard
 
 
 @functools.cache
@@ -32,53 +34,43 @@ def _tokenizer(model_path: str):
     return load_tokenizer(resolve_model(model_path))
 
 
-def tokenize_block(cfg: JobConfig, block: InputBlock,
-                   max_samples: int) -> tuple[ShardInput, BlockSample]:
-    """A block's engine rows (rows: indices over all files) and its sample."""
-    from batchllm.rows.requests import build_rows
-
-    rows = read_block(cfg.input, block)
-    inputs, prompts = build_rows(_tokenizer(cfg.model.path), cfg.input, cfg.sampling, rows,
-                                 list(range(rows.num_rows)))
-    if not cfg.output.include_prompt:
-        prompts = [None] * len(prompts)
-    indices = list(range(block.first_row, block.first_row + rows.num_rows))
-    payload = ShardInput(-1, indices, inputs, rows.ids.to_pylist(), prompts, [])
-    return payload, sample_block(inputs, max_samples)
+def tokenize_block(cfg: JobConfig, block: InputBlock, max_samples: int,
+                   max_model_len: int) -> tuple[Shard, BlockSample]:
+    """A block's rows (indices over all files), admitted, and its sample."""
+    rows = build_rows(_tokenizer(cfg.model.path), cfg.input, cfg.sampling,
+                      read_block(cfg.input, block), block.first_row, cfg.output.include_prompt)
+    admit(rows, max_model_len)  # what the worker's run will admit: sampled and routed alike
+    return Shard(-1, rows), sample_block(rows, max_samples)
 
 
-def split_block(payload: ShardInput, uppers: list[bytes], num_parts: int) -> tuple:
-    """(part of each row [n] int32, then one ShardInput per part)."""
-    part = route(payload.inputs, uppers)
+def split_block(block: Shard, uppers: list[bytes], num_parts: int) -> tuple:
+    """(part of each row [n] int32, then one Shard per part)."""
+    part = route(block.rows, uppers)
     out: list = [part]
     for k in range(num_parts):
-        take = np.flatnonzero(part == k).tolist()
-        out.append(ShardInput(k, [payload.rows[j] for j in take],
-                              [payload.inputs[j] for j in take], [payload.ids[j] for j in take],
-                              [payload.prompts[j] for j in take], []))
+        out.append(Shard(k, [block.rows[j] for j in np.flatnonzero(part == k).tolist()]))
     return tuple(out)
 
 
 @dataclass(eq=False)
 class Partitions:
     """Where each row of the job went: rows[k] are worker k's input row indices (sorted), pieces[k]
-    the object refs of its ShardInput pieces (one per block)."""
+    the object refs of its Shard pieces (one per block)."""
 
     rows: list[np.ndarray]
     pieces: list[list]
     blocks: int
 
 
-def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int) -> Partitions:
+def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int,
+                   max_model_len: int) -> Partitions:
     """Run the two rounds of tasks; the tokenized rows stay in Ray's object store."""
     import ray
-
-    from batchllm.config import ConfigError
 
     tokenize = ray.remote(tokenize_block).options(num_returns=2)
     split = ray.remote(split_block).options(num_returns=num_parts + 1)
     per_block = samples_per_block(len(index.blocks))
-    first = [tokenize.remote(cfg, b, per_block) for b in index.blocks]
+    first = [tokenize.remote(cfg, b, per_block, max_model_len) for b in index.blocks]
     try:
         samples = ray.get([s for _, s in first])
     except ray.exceptions.RayTaskError as e:
@@ -86,7 +78,7 @@ def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int) -> Partiti
             raise e.cause from None
         raise
     uppers = choose_cuts(samples, num_parts)
-    second = [split.remote(payload, uppers, num_parts) for payload, _ in first]
+    second = [split.remote(block, uppers, num_parts) for block, _ in first]
     where = ray.get([refs[0] for refs in second])  # [blocks] of [n] int32
     rows = [np.concatenate([b.first_row + np.flatnonzero(w == k)
                             for b, w in zip(index.blocks, where)]).astype(np.int64)
@@ -95,15 +87,7 @@ def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int) -> Partiti
     return Partitions(rows, pieces, len(index.blocks))
 
 
-def gather_pieces(pieces: list[ShardInput], worker: int, done: set[int]) -> ShardInput:
-    """A worker's pieces as one ShardInput in input order, rows in `done` to skip."""
-    rows, inputs, ids, prompts = [], [], [], []
-    for p in pieces:
-        rows += p.rows
-        inputs += p.inputs
-        ids += p.ids
-        prompts += p.prompts
-    order = sorted(range(len(rows)), key=rows.__getitem__)
-    rows = [rows[j] for j in order]
-    return ShardInput(worker, rows, [inputs[j] for j in order], [ids[j] for j in order],
-                      [prompts[j] for j in order], [j for j, i in enumerate(rows) if i in done])
+def gather_pieces(pieces: list[Shard], worker: int, done: set[int]) -> Shard:
+    """A worker's pieces as one Shard in input order, the rows in `done` to skip."""
+    rows = sorted((r for p in pieces for r in p.rows), key=lambda r: r.index)
+    return Shard(worker, rows, done & {r.index for r in rows})

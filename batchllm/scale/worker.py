@@ -1,31 +1,42 @@
-"""One worker of a sharded job: loads the model once, runs shards with the single-process engine
-(`LLM.run`) and writes the same checkpoint parts, tagged with its worker number.
+"""One worker of a sharded job: loads the model once, runs shards with the single-process
+runtime (`Runtime.run`) and writes the same checkpoint parts, tagged with its worker number.
 
 A plain class: the driver makes it a Ray actor (`ray.remote(ShardWorker)`), so this module does
-not import ray.
+not import ray at import time.
 """
 
 from __future__ import annotations
 
 import os
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from batchllm.config import JobConfig
-from batchllm.llm import RequestOutput, RowInput
+from batchllm.engine.metrics import RunMetrics
+from batchllm.engine.runtime import Runtime
+from batchllm.plan.partition import row_key
+from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter
 
 
 @dataclass
-class ShardInput:
-    """What a worker needs to run one shard: its rows, already tokenized by the driver."""
+class Shard:
+    """What a worker runs: its rows, already tokenized, in input order."""
 
     worker: int  # shard number; the parts are tagged "-w{worker}"
-    rows: list[int]  # [S] input row indices, sorted
-    inputs: list[RowInput]  # [S] engine rows
-    ids: list[object]  # [S] input ids
-    prompts: list[str | None]  # [S] rendered prompt text (written when output.include_prompt)
-    skip: list[int]  # positions in `rows` already in parts: planned with the others, not run
+    rows: list[Row]
+    skip: set[int] = field(default_factory=set)  # row indices already in parts: planned, not run
+
+
+@dataclass
+class WorkerResult:
+    """What a finished worker attempt sends back to the driver."""
+
+    worker: int
+    metrics: RunMetrics
+    wall_seconds: float
+    pid: int
+    key_range: tuple[bytes, bytes] | None = None  # engine.sharding partition: its rows' keys
 
 
 def part_tag(worker: int) -> str:
@@ -34,49 +45,37 @@ def part_tag(worker: int) -> str:
 
 
 class ShardWorker:
-    """Holds the job's model; `run_shard` runs one shard and returns its metrics."""
+    """Holds the job's model; `run_shard` runs one shard and returns its result."""
 
     def __init__(self, cfg: JobConfig, fingerprint: dict, flush_rows: int) -> None:
-        from batchllm.job import build_llm  # job imports this package lazily: no import cycle
-
         self.cfg = cfg
         self.fingerprint = fingerprint
         self.flush_rows = flush_rows
-        self.llm = build_llm(cfg)
+        self.runtime = Runtime.from_config(cfg)
 
     def pid(self) -> int:
         """The worker's process id (tests kill it)."""
         return os.getpid()
 
-    def run_shard(self, shard: ShardInput) -> dict:
-        """Run the shard's rows except `skip`; finished rows go to parts as they finish.
-        Returns LLM.run's metrics plus worker, wall_seconds and pid."""
-        from batchllm.job import output_row
-
+    def run_shard(self, shard: Shard) -> WorkerResult:
+        """Run the shard's rows except `skip`; finished rows go to parts as they finish."""
         start = time.perf_counter()
         writer = CheckpointWriter(self.cfg.output.path, self.fingerprint,
                                   flush_rows=self.flush_rows, tag=part_tag(shard.worker))
-
-        def on_output(j: int, out: RequestOutput) -> None:
-            writer.add(output_row(shard.rows[j], shard.ids[j], shard.prompts[j], out))
-
-        metrics = self.llm.run(shard.inputs, on_output, None, skip=set(shard.skip))
+        metrics = self.runtime.run(shard.rows, writer.add, None, skip=shard.skip)
         writer.flush()
-        metrics.update(worker=shard.worker, wall_seconds=time.perf_counter() - start,
-                       pid=os.getpid())
-        return metrics
+        return WorkerResult(shard.worker, metrics, time.perf_counter() - start, os.getpid())
 
-    def run_partition(self, pieces: list, worker: int, done: list[int]) -> dict:
+    def run_partition(self, pieces: list, worker: int, done: list[int]) -> WorkerResult:
         """Run this worker's pieces of every block (Ray object refs, engine.sharding: partition)
-        except the rows in `done`, planned here. Adds key_range: the smallest and largest key of
-        the rows in the plan (the driver counts the prefix tokens cut apart from them)."""
+        except the rows in `done`, planned here. The result's key_range is the smallest and
+        largest key of the rows in the plan (the driver counts the prefix tokens cut apart)."""
         import ray
 
-        from batchllm.plan.partition import row_key
         from batchllm.scale.shuffle import gather_pieces
 
         shard = gather_pieces(ray.get(pieces), worker, set(done))
-        metrics = self.run_shard(shard)
-        keys = [row_key(r.prompt_ids) for r in shard.inputs if self.llm.check_row(r) is None]
-        metrics["key_range"] = (min(keys), max(keys)) if keys else None
-        return metrics
+        result = self.run_shard(shard)
+        keys = [row_key(r.prompt_ids) for r in shard.rows if r.ok]  # admitted by the run
+        result.key_range = (min(keys), max(keys)) if keys else None
+        return result

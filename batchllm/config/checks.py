@@ -1,5 +1,5 @@
-"""Field checks of the job file: value -> normalized value, or raise _Bad("expected ..., got ...").
-The caller (batchllm.config) adds the field path to the message."""
+"""Field checks of the job file: value -> normalized value, or raise Bad("expected ..., got ...").
+The caller (config/sections.py) adds the field path to the message."""
 
 from __future__ import annotations
 
@@ -10,84 +10,84 @@ import re
 from typing import Any
 
 
-class _Bad(Exception):
+class Bad(Exception):
     """Raised by a field check; the caller adds the field path."""
 
 
-def _show(value: Any) -> str:
+def show(value: Any) -> str:
     text = repr(value)
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _did_you_mean(word: Any, choices: list[str]) -> str:
+def did_you_mean(word: Any, choices: list[str]) -> str:
     close = difflib.get_close_matches(str(word), choices, n=1, cutoff=0.6)
     return f"did you mean {close[0]}?" if close else "expected one of: " + ", ".join(choices)
 
 
-# ---- field checks: value -> normalized value, or raise _Bad("expected ..., got ...") ----------
+# ---- field checks: value -> normalized value, or raise Bad("expected ..., got ...") ----------
 
-def _positive_int(v: Any) -> int:
+def positive_int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-        raise _Bad(f"expected a positive integer, got {_show(v)}")
+        raise Bad(f"expected a positive integer, got {show(v)}")
     return v
 
 
-def _non_negative_int(v: Any) -> int:
+def non_negative_int(v: Any) -> int:
     if isinstance(v, bool) or not isinstance(v, int) or v < 0:
-        raise _Bad(f"expected an integer >= 0, got {_show(v)}")
+        raise Bad(f"expected an integer >= 0, got {show(v)}")
     return v
 
 
-def _optional(check):
+def optional(check):
     return lambda v: None if v is None else check(v)
 
 
-def _boolean(v: Any) -> bool:
+def boolean(v: Any) -> bool:
     if not isinstance(v, bool):
-        raise _Bad(f"expected true or false, got {_show(v)}")
+        raise Bad(f"expected true or false, got {show(v)}")
     return v
 
 
-def _string(v: Any) -> str:
+def string(v: Any) -> str:
     if not isinstance(v, str) or not v:
-        raise _Bad(f"expected a non-empty string, got {_show(v)}")
+        raise Bad(f"expected a non-empty string, got {show(v)}")
     return v
 
 
-def _file_path(v: Any) -> str:
+def file_path(v: Any) -> str:
     if isinstance(v, os.PathLike):
         v = os.fspath(v)
-    return os.path.expanduser(_string(v))
+    return os.path.expanduser(string(v))
 
 
-def _number(v: Any, what: str, ok) -> float:
+def number(v: Any, what: str, ok) -> float:
     try:
         good = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
     except OverflowError:
         good = False
     if not good or not ok(v):
-        raise _Bad(f"expected {what}, got {_show(v)}")
+        raise Bad(f"expected {what}, got {show(v)}")
     return float(v)
 
 
-def _one_of(*choices: str, hints: dict[str, str] | None = None):
+def one_of(*choices: str, hints: dict[str, str] | None = None):
     """A check for an enum; hints map common wrong words to the right one (gpu -> cuda)."""
     def check(v: Any) -> str:
         if v in choices:
             return v
-        hint = _did_you_mean(v, list(choices)) if isinstance(v, str) else ""
+        hint = did_you_mean(v, list(choices)) if isinstance(v, str) else ""
         if isinstance(v, str) and hints and v.lower() in hints:
             hint = f"did you mean {hints[v.lower()]}?"
-        raise _Bad(f"expected one of {', '.join(choices)}, got {_show(v)}"
+        raise Bad(f"expected one of {', '.join(choices)}, got {show(v)}"
                    + (f"; {hint}" if hint.startswith("did") else ""))
     return check
 
 
-def _stop(v: Any) -> tuple[str, ...]:
+def stop(v: Any) -> tuple[str, ...]:
     v = [v] if isinstance(v, str) else () if v is None else v
     if not isinstance(v, (list, tuple)) or not all(
             isinstance(s, str) and s for s in v):
-        raise _Bad(f"expected a list of non-empty strings, got {_show(v)}")
+        raise Bad(f"expected a list of non-empty strings, got {show(v)}")
     return tuple(v)
 
 
@@ -109,11 +109,12 @@ def parse_size(text: str) -> int:
     return int(size)
 
 
-def _kv_memory(v: Any) -> float | str:
+def kv_memory(v: Any) -> float | int:
+    """A fraction of free memory (a float in (0, 1]) or a size (text such as '4GiB'), as a float
+    fraction or an int number of bytes."""
     if isinstance(v, str):
         try:
-            parse_size(v)
+            return parse_size(v)
         except ValueError:
-            raise _Bad(f"expected a fraction in (0, 1] or a size such as '4GiB', got {_show(v)}")
-        return v.strip()
-    return _number(v, "a fraction in (0, 1] or a size such as '4GiB'", lambda x: 0 < x <= 1)
+            raise Bad(f"expected a fraction in (0, 1] or a size such as '4GiB', got {show(v)}")
+    return number(v, "a fraction in (0, 1] or a size such as '4GiB'", lambda x: 0 < x <= 1)

@@ -1,4 +1,4 @@
-"""Input rows -> engine rows: the prompt rendered and tokenized, sampling with per-row overrides.
+"""Input rows -> Row records: the prompt rendered and tokenized, sampling with per-row overrides.
 
 A row that cannot run (a null prompt, bad messages, a per-row value out of range) is kept with
 the reason, so that it becomes an error row and the job goes on.
@@ -9,10 +9,12 @@ from __future__ import annotations
 import dataclasses
 
 from batchllm.config import InputConfig, SamplingConfig
-from batchllm.llm import RowInput
 from batchllm.rows.prompts import conversation, render_chats, tokenize
 from batchllm.rows.reader import InputRows
+from batchllm.rows.record import Row
 from batchllm.sampling_params import SamplingParams
+
+_RENDER_BATCH = 1024  # conversations rendered per call of the chat template
 
 
 def row_sampling(defaults: SamplingConfig, overrides: dict[str, list], i: int) -> SamplingParams:
@@ -25,12 +27,12 @@ def row_sampling(defaults: SamplingConfig, overrides: dict[str, list], i: int) -
     return SamplingParams(**values)
 
 
-def _texts(cfg: InputConfig, rows: InputRows, keep: list[int]) -> tuple[dict, dict, dict]:
-    """Per row index: plain prompt text, a conversation to render, or why it cannot run."""
+def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
+    """Per row position: plain prompt text, a conversation to render, or why it cannot run."""
     errors: dict[int, str] = {}
     convs: dict[int, list[dict]] = {}
     plain: dict[int, str] = {}
-    for i in keep:
+    for i in range(rows.num_rows):
         if rows.messages is not None:
             msgs = rows.messages[i]
             if not msgs:
@@ -52,15 +54,12 @@ def _texts(cfg: InputConfig, rows: InputRows, keep: list[int]) -> tuple[dict, di
     return plain, convs, errors
 
 
-def build_rows(
-    tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows, keep: list[int]
-) -> tuple[list[RowInput], list[str | None]]:
-    """Engine rows for the input rows `keep` (in that order), and their rendered prompt text."""
-    plain, convs, errors = _texts(cfg, rows, keep)
-    text: dict[int, str] = dict(plain)
+def _render(tokenizer, convs: dict[int, list[dict]], errors: dict[int, str]) -> dict[int, str]:
+    """Each conversation through the chat template; a row the template fails on gets an error."""
+    text: dict[int, str] = {}
     order = list(convs)
-    for lo in range(0, len(order), 1024):
-        chunk = order[lo : lo + 1024]
+    for lo in range(0, len(order), _RENDER_BATCH):
+        chunk = order[lo : lo + _RENDER_BATCH]
         try:
             rendered = render_chats(tokenizer, [convs[i] for i in chunk])
         except Exception:  # noqa: BLE001 - one bad conversation: find it row by row
@@ -72,14 +71,23 @@ def build_rows(
                     errors[i] = f"input: the chat template failed on this row: {e}"
                     rendered.append(None)
         text.update((i, t) for i, t in zip(chunk, rendered) if t is not None)
+    return text
+
+
+def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
+               first_index: int = 0, keep_prompt: bool = True) -> list[Row]:
+    """One Row per input row, in order; rows[i] gets index first_index + i (a block of a larger
+    input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
+    plain, convs, errors = _texts(cfg, rows)
+    text = {**plain, **_render(tokenizer, convs, errors)}
     ids = dict(zip(text, tokenize(tokenizer, text.values(), not cfg.chat_template)))
     row_ids = rows.ids.to_pylist()
-    out, prompts = [], []
-    for i in keep:
+    out = []
+    for i in range(rows.num_rows):
         try:
             sp = row_sampling(sampling, rows.overrides, i)
         except (TypeError, ValueError) as e:
             sp, errors[i] = SamplingParams(), f"sampling override: {e}"
-        out.append(RowInput(ids.get(i), sp, row_ids[i], errors.get(i)))
-        prompts.append(text.get(i))
-    return out, prompts
+        out.append(Row(first_index + i, row_ids[i], ids.get(i), sp,
+                       text.get(i) if keep_prompt else None, errors.get(i)))
+    return out

@@ -1,0 +1,134 @@
+"""The engine a job runs on: the model loaded once, the KV pool sized, the job's engine settings;
+`run(rows)` admits, plans and runs a list of rows and returns the run's metrics.
+
+This is what jobs, Ray workers and the Python API (batchllm.LLM) all call, so that a row is
+admitted, planned and run the same way whatever the entry point.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Collection
+
+from batchllm.config import JobConfig
+from batchllm.engine.cpu_allocator import keep_freed_memory
+from batchllm.engine.engine import Engine
+from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
+from batchllm.engine.metrics import EngineStats, RunMetrics
+from batchllm.engine.scheduler import KVCacheTooSmall
+from batchllm.model.loader import LoadedModel, load_model
+from batchllm.plan.rows_plan import plan_rows
+from batchllm.rows.record import Row
+
+
+class Runtime:
+    """A loaded model, its engine and the settings every run of it uses."""
+
+    def __init__(self, loaded: LoadedModel, engine: Engine, prefix_sharing: bool,
+                 order: str) -> None:
+        self.loaded = loaded
+        self.engine = engine
+        self.prefix_sharing = prefix_sharing
+        self.order = order
+
+    @classmethod
+    def build(
+        cls,
+        model: str = "smollm2-135m-instruct",
+        *,
+        dtype: str = "auto",
+        device: str = "auto",
+        max_model_len: int | None = None,
+        page_size: int = 16,
+        kv_cache_memory: float = 0.9,
+        max_num_seqs: int = 256,
+        max_batched_tokens: int = 8192,
+        prefix_sharing: bool = True,
+        order: str = "prefix-tree",
+    ) -> Runtime:
+        """kv_cache_memory: a fraction (float) of free memory, or a size in bytes (int)."""
+        keep_freed_memory()  # before loading starts threads: they would take arenas of their own
+        loaded = load_model(model, dtype, device, max_model_len)
+        shape = loaded.model.shape
+        bytes_per_token = shape.kv_bytes_per_token(loaded.model.dtype)
+        budget = kv_budget_bytes(kv_cache_memory, loaded.device)
+        engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, page_size), page_size,
+                        max_num_seqs, max_batched_tokens, prefix_sharing, loaded.max_model_len)
+        return cls(loaded, engine, prefix_sharing, order)
+
+    @classmethod
+    def from_config(cls, cfg: JobConfig) -> Runtime:
+        """The runtime of a job file: its model and its engine and planner settings."""
+        e = cfg.engine
+        return cls.build(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
+                         max_model_len=cfg.model.max_model_len, page_size=e.page_size,
+                         kv_cache_memory=e.kv_cache_memory, max_num_seqs=e.max_num_seqs,
+                         max_batched_tokens=e.max_batched_tokens,
+                         prefix_sharing=e.prefix_sharing, order=cfg.planner.order)
+
+    @property
+    def tokenizer(self):
+        return self.loaded.tokenizer
+
+    @property
+    def max_model_len(self) -> int:
+        return self.loaded.max_model_len
+
+    def run(
+        self,
+        rows: list[Row],
+        on_row: Callable[[Row], None],
+        on_step: Callable[[EngineStats], None] | None = None,
+        skip: Collection[int] = (),
+    ) -> RunMetrics:
+        """Admit, plan and run `rows`; each row goes to on_row once it has its result (rows that
+        cannot run at once, with their error). Rows whose index is in `skip` (done by an earlier,
+        interrupted run) are planned with the others, so that the plan is the same, but neither
+        run nor handed out."""
+        start = time.perf_counter()
+        planned = plan_rows(rows, self.max_model_len, self.prefix_sharing, self.order)
+        for row in rows:
+            if not row.ok and row.index not in skip:
+                on_row(row)
+        self._check_memory(planned.rows)  # all rows: the result must not depend on the skipped
+        todo = planned.restricted_to(set(skip))
+        stats = self.engine.run(todo.rows, todo.plan, on_row, on_step)
+        ran = [r for r in todo.rows if r.index not in skip]
+        wall = time.perf_counter() - start
+        model = self.loaded
+        return RunMetrics(
+            rows=sum(1 for r in rows if r.index not in skip),
+            prompt_tokens=sum(r.prompt_tokens for r in ran),
+            prefill_tokens=stats.prefill_tokens,
+            tree_tokens=todo.plan.tree_tokens,
+            cached_tokens=sum(r.cached_tokens for r in ran),
+            completion_tokens=stats.completion_tokens,
+            wall_seconds=wall,
+            kv_pages_total=stats.kv_pages_total,
+            kv_pages_peak=stats.kv_pages_peak,
+            kv_pages_shared_peak=stats.kv_pages_shared_peak,
+            kv_bytes_per_token=stats.kv_bytes_per_token,
+            page_size=self.engine.page_size,
+            preemptions=stats.preemptions,
+            steps=stats.steps,
+            device=str(model.device),
+            dtype=str(model.model.dtype).removeprefix("torch."),
+            model=model.name,
+        )
+
+    def _check_memory(self, rows: list[Row]) -> None:
+        """Before the run: the largest request (prompt + max_tokens, up to the model's limit)
+        must fit in the pool by itself, plus one page for a shared prefix's partial page."""
+        if not rows:
+            return
+        ps, engine = self.engine.page_size, self.engine
+        longest = max(min(r.prompt_tokens + r.sampling.max_tokens, self.max_model_len)
+                      for r in rows)
+        need = -(-longest // ps) + 1
+        if need > engine.num_pages:
+            raise KVCacheTooSmall(
+                f"engine.kv_cache_memory: the KV cache holds {engine.num_pages} pages of "
+                f"{ps} tokens ({engine.bytes_per_token} bytes per token); the longest "
+                f"request ({longest} tokens) needs {need} pages, i.e. at least "
+                f"{need * ps * engine.bytes_per_token} bytes"
+            )

@@ -1,0 +1,98 @@
+"""Imports run one way: each module imports only from its own layer or the layers below it.
+
+Every import counts, also one inside a function (a lazy import is still a dependency).
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Top to bottom. A module may import its own layer and any layer below it, never one above.
+LAYERS: list[tuple[str, ...]] = [
+    ("batchllm", "batchllm.cli"),  # the package's lazy exports and the command line
+    ("batchllm.job", "batchllm.plan_report"),  # what `batchllm run` / `batchllm plan` do
+    ("batchllm.scale",),  # many workers: Ray
+    ("batchllm.llm", "batchllm.progress"),  # the Python API; the progress line of a run
+    ("batchllm.engine",),  # runtime, step loop, scheduler, pages, sampler
+    ("batchllm.model",),  # weights and the forward pass
+    ("kernels",),  # Triton, C and torch kernels
+    ("batchllm.plan",),  # prefix tree, planner, shards (numpy only)
+    ("batchllm.rows",),  # rows in and out (pyarrow)
+    ("batchllm.config", "batchllm.sampling_params"),  # the job file; sampling settings
+]
+
+
+def layer_of(module: str) -> int | None:
+    """The layer of a batchllm or kernels module (the longest matching prefix), else None."""
+    best, depth = None, -1
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            if (module == name or module.startswith(name + ".")) and len(name) > depth:
+                best, depth = i, len(name)
+    return best
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports, anywhere in the file (absolute names)."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(up + ([base] if base else []))
+            found.add(base)
+            found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+    return found
+
+
+def sources() -> list[Path]:
+    return sorted(p for d in ("batchllm", "kernels") for p in (ROOT / d).rglob("*.py"))
+
+
+def test_every_module_has_a_layer():
+    assert [module_name(p) for p in sources() if layer_of(module_name(p)) is None] == []
+
+
+def test_no_module_imports_a_layer_above_it():
+    upward = []
+    for path in sources():
+        mine = layer_of(module_name(path))
+        for target in imports_of(path):
+            theirs = layer_of(target)
+            if theirs is not None and theirs < mine and target != "batchllm":
+                upward.append(f"{module_name(path)} imports {target}")
+    assert upward == []
+
+
+def test_nothing_imports_the_job_module():
+    users = sorted(module_name(p) for p in sources()
+                   if "batchllm.job" in imports_of(p) and module_name(p) not in LAYERS[0])
+    assert users == []
+
+
+def test_plan_and_rows_import_without_torch_or_transformers():
+    low = ("batchllm.plan", "batchllm.rows", "batchllm.config")
+    modules = [m for m in map(module_name, sources())
+               if any(m == name or m.startswith(name + ".") for name in low)]
+    code = ("import sys\n" + "".join(f"import {m}\n" for m in modules)
+            + "print(sorted(m for m in ('torch', 'transformers', 'ray') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
+                         check=True)
+    assert out.stdout.strip() == "[]"
