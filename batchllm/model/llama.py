@@ -12,8 +12,8 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from batchllm.config import ConfigError
 from batchllm.model.attention import PagedAttention
+from batchllm.model.errors import ModelError
 from batchllm.model.linear import Linear
 from batchllm.model.ops import ModelOps, Projection, pick_ops
 
@@ -40,7 +40,7 @@ class ModelShape:
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
+        raise ModelError(
             f"model.path: model type {config.model_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
