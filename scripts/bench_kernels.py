@@ -58,9 +58,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.merge_states import merge_states
-from kernels.paged_attention import paged_attention
-from kernels.prefix_attention import prefix_attention
+from kernels.triton.merge_states import merge_states
+from kernels.triton.paged_attention import paged_attention
+from kernels.triton.prefix_attention import prefix_attention
 
 
 def make_step(r: int, prefix: int, own: int, page_size: int, hq: int, hkv: int, d: int,

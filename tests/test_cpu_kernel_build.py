@@ -1,7 +1,7 @@
-"""Building the C kernels of the CPU path (kernels/cpu_build.py): built once into
-$BATCHLLM_CACHE/kernels and reused; without a compiler or with BATCHLLM_CPU_KERNEL=0 the engine's
-CPU path falls back to the torch twins (their results are checked against SDPA in
-test_reference_attention.py and against transformers in test_cpu_ops.py)."""
+"""Building the C kernels of the CPU path (kernels/cpu/build.py): built once into
+$BATCHLLM_CACHE/kernels and reused; without a compiler or with BATCHLLM_CPU_KERNEL=0 the model's
+ops record (batchllm/model/ops.py) falls back to the torch twins (their results are checked
+against SDPA in test_reference_attention.py and against transformers in test_cpu_ops.py)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,12 @@ import torch
 
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
-from kernels import cpu_attention, cpu_decode, cpu_linear, cpu_ops, cpu_prefill
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import decode as cpu_decode
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu import prefill as cpu_prefill
+from kernels.reference.pointwise import TORCH_OPS
 
 LOADERS = (cpu_decode.load, cpu_prefill.load, cpu_ops.load, cpu_linear.load)
 
@@ -47,8 +52,8 @@ def test_built_once_into_the_cache_and_used(fresh_load):
     assert attention.ops.paged_attention is cpu_attention.paged_attention_cpu
     assert not attention.ops.gathers_decodes and not attention.ops.gathers_chunks
     assert attention.ops.store_kv is cpu_ops.store_kv_c
-    assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.C_OPS
-    assert Linear(torch.randn(8, 4)).panels is not None
+    assert attention.ops.pointwise is cpu_ops.C_OPS
+    assert Linear(torch.randn(8, 4), None, attention.ops.projection).panels is not None
 
 
 def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
@@ -59,8 +64,9 @@ def test_without_a_compiler_the_twins_run(fresh_load, monkeypatch, capsys):
     assert attention.ops.gathers_decodes and attention.ops.gathers_chunks
     assert attention.ops.paged_attention.__name__ == "paged_attention_ref"
     assert attention.ops.store_kv.__name__ == "store_kv_ref"
-    assert cpu_ops.pointwise_ops(torch.device("cpu"), torch.float32) is cpu_ops.TORCH_OPS
-    assert Linear(torch.randn(8, 4)).panels is None  # oneDNN's layout, or F.linear
+    assert attention.ops.pointwise is TORCH_OPS
+    # oneDNN's layout, or F.linear
+    assert Linear(torch.randn(8, 4), None, attention.ops.projection).panels is None
 
 
 def test_switched_off(fresh_load, monkeypatch):

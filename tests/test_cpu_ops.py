@@ -1,6 +1,6 @@
-"""The C pointwise kernels (kernels/cpu_ops.c) against Hugging Face's own Llama modules (RMSNorm,
-apply_rotary_pos_emb, SiLU) in float64, and their torch twins likewise; sizes that are not
-multiples of the 8-wide vectors exercise the tails."""
+"""The C pointwise kernels (kernels/cpu/ops.c) against Hugging Face's own Llama modules (RMSNorm,
+apply_rotary_pos_emb, SiLU) in float64, and their torch twins (kernels/reference/pointwise.py)
+likewise; sizes that are not multiples of the 8-wide vectors exercise the tails."""
 
 import pytest
 import torch
@@ -8,7 +8,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kernels import cpu_ops
+from kernels.cpu import ops as cpu_ops
+from kernels.reference import pointwise
 
 
 def c_ops():
@@ -17,7 +18,7 @@ def c_ops():
     return cpu_ops.C_OPS
 
 
-IMPLS = {"c": c_ops, "torch": lambda: cpu_ops.TORCH_OPS}
+IMPLS = {"c": c_ops, "torch": lambda: pointwise.TORCH_OPS}
 
 
 @pytest.mark.parametrize("impl", IMPLS)

@@ -91,21 +91,21 @@ def test_greedy_matches_transformers(kind: str, sharing: bool, name: str) -> Non
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None:
     """BATCHLLM_CPU_KERNEL=0 (or no C compiler): every part of the CPU path in torch."""
-    from kernels import cpu_decode, cpu_linear, cpu_ops, cpu_prefill
+    from kernels.reference.pointwise import TORCH_OPS
+    from kernels.reference.store_kv import store_kv_ref
 
-    loaders = (cpu_decode.load, cpu_prefill.load, cpu_ops.load, cpu_linear.load)
+    # Read where the ops are picked (batchllm/model/ops.py), whatever the C loaders hold.
     monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
-    for load in loaders:
-        load.cache_clear()
-    try:
-        llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu",
-                  kv_cache_memory=64 << 20, prefix_sharing=sharing, max_batched_tokens=29)
-        assert llm.runtime.engine.attention.ops.paged_attention.__name__ == "paged_attention_ref"
-        assert llm.runtime.loaded.model.pointwise is cpu_ops.TORCH_OPS
-        outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
-    finally:
-        for load in loaders:
-            load.cache_clear()
+    llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu",
+              kv_cache_memory=64 << 20, prefix_sharing=sharing, max_batched_tokens=29)
+    model = llm.runtime.loaded.model
+    ops = model.ops
+    assert llm.runtime.engine.attention.ops == ops  # the cache picked the same record
+    assert ops.paged_attention.__name__ == "paged_attention_ref"
+    assert ops.store_kv is store_kv_ref and ops.prefix_attention_into is None
+    assert ops.pointwise is TORCH_OPS
+    assert ops.projection != "panels" and model.layers[0].qkv.panels is None  # oneDNN / F.linear
+    outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
     for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference("llama"))):
         assert_tokens_match(out.token_ids, tokens, gaps, row=i)
 

@@ -46,14 +46,13 @@ def _load(name: str):
 
 if not CUDA:
     _interpret_triton_library()
-_store, _paged, _prefix, _merge = (_load(f"kernels.{n}") for n in (
-    "store_kv", "paged_attention", "prefix_attention", "merge_states"))
-from kernels.reference import (
-    merge_states_ref,
-    paged_attention_ref,
-    prefix_attention_ref,
-    store_kv_ref,
-)
+_load("kernels.triton.tiles")  # first: the jitted pieces the two attention kernels import
+_checks, _store, _paged, _prefix, _merge = (_load(f"kernels.triton.{n}") for n in (
+    "checks", "store_kv", "paged_attention", "prefix_attention", "merge_states"))
+from kernels.reference.merge_states import merge_states_ref
+from kernels.reference.paged_attention import paged_attention_ref
+from kernels.reference.prefix_attention import prefix_attention_ref
+from kernels.reference.store_kv import store_kv_ref
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]
@@ -252,4 +251,4 @@ def test_launchers_reject_bad_inputs():
     with pytest.raises(ValueError, match="lse_b"):
         _merge.merge_states(q, q[:, :, 0], q, q[:2, :, 0])
     with pytest.raises(ValueError, match="need CUDA tensors"):
-        _store.check_device(object(), q=torch.zeros(1))
+        _checks.check_device(object(), q=torch.zeros(1))

@@ -1,14 +1,16 @@
-"""The projections (batchllm/model/linear.py): the C kernel on 16-column panels
-(kernels/cpu_linear.c) and, where it cannot be built, oneDNN on a reordered weight, both checked
-against torch's F.linear in float64 for the row counts of decode steps and prefill chunks, the
-tails of the kernel's 6-row tiles and 16-column panels, and its blocks of rows."""
+"""The projections (batchllm/model/linear.py) in the layout the model's ops pick on the CPU
+(batchllm/model/ops.py): the C kernel on 16-column panels (kernels/cpu/linear.c) and, where it
+cannot be built, oneDNN on a reordered weight, both checked against torch's F.linear in float64
+for the row counts of decode steps and prefill chunks, the tails of the kernel's 6-row tiles
+and 16-column panels, and its blocks of rows."""
 
 import pytest
 import torch
 import torch.nn.functional as F
 
 from batchllm.model.linear import Linear
-from kernels import cpu_linear
+from batchllm.model.ops import pick_ops
+from kernels.cpu import linear as cpu_linear
 
 BACKENDS = ["panels", "onednn"]
 
@@ -24,8 +26,13 @@ def backend(request, monkeypatch):
     return request.param
 
 
+def layout(dtype: torch.dtype = torch.float32) -> str:
+    """The projection layout a model on the CPU in `dtype` gets."""
+    return pick_ops(torch.device("cpu"), dtype, 4, 64).projection
+
+
 def check(x, w, b, backend):
-    layer = Linear(w, b)
+    layer = Linear(w, b, layout())
     assert (layer.panels is not None) == (backend == "panels")
     y = layer(x)
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
@@ -62,7 +69,7 @@ def test_panels_layout():
 
 
 def test_other_dtypes_run_dense():
-    bf16 = Linear(torch.randn(8, 4, dtype=torch.bfloat16))
+    bf16 = Linear(torch.randn(8, 4, dtype=torch.bfloat16), None, layout(torch.bfloat16))
     assert bf16.panels is None and bf16.packed is None
     x = torch.randn(3, 4, dtype=torch.bfloat16)
     torch.testing.assert_close(bf16(x), F.linear(x, bf16.weight))

@@ -1,4 +1,4 @@
-"""The pure-torch twins (kernels/reference.py) against plain torch attention.
+"""The pure-torch twins (kernels/reference/) against plain torch attention.
 
 The reference gathers nothing: each sequence's K and V are drawn contiguous, scattered by the
 test into randomly permuted pages, and torch's scaled_dot_product_attention runs over the
@@ -14,14 +14,15 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_prefill
-from kernels.reference import (
-    merge_states_ref,
-    paged_attention_ref,
-    prefix_attention_ref,
-    store_kv_ref,
-)
-from kernels.step_index import index_step
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import decode as cpu_decode
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu import prefill as cpu_prefill
+from kernels.reference.merge_states import merge_states_ref
+from kernels.reference.paged_attention import paged_attention_ref
+from kernels.reference.prefix_attention import prefix_attention_ref
+from kernels.reference.step_index import index_step
+from kernels.reference.store_kv import store_kv_ref
 
 HKV = 2
 
@@ -92,7 +93,7 @@ STEP = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (17, 17, 0), (37, 129, 0
 
 
 def c_kernels(decodes: bool, chunks: bool):
-    """The CPU path with its decodes and/or its prefill chunks in C (kernels/cpu_attention.py)."""
+    """The CPU path with its decodes and/or its prefill chunks in C (kernels/cpu/attention.py)."""
 
     def attend(q, k_cache, v_cache, table, cu_q, ctx, start, scale):
         if (decodes and cpu_decode.load() is None) or (chunks and cpu_prefill.load() is None):
@@ -334,12 +335,16 @@ def test_store_kv_writes_slots():
 
 
 def test_import_kernels_without_triton(monkeypatch):
-    """`import kernels` works without triton: the twins run, the launchers raise ImportError."""
+    """kernels, its twins and its C path import without triton (and do not import it); the
+    Triton launchers raise ImportError saying they need it."""
     for name in list(sys.modules):
         if name.split(".")[0] in ("kernels", "triton"):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" raises ImportError
-    fresh = importlib.import_module("kernels")
-    assert not fresh.HAS_TRITON and callable(fresh.paged_attention_ref)
+    importlib.import_module("kernels")
+    for name in ("attention", "build", "decode", "linear", "ops", "prefill"):
+        importlib.import_module(f"kernels.cpu.{name}")
+    fresh = importlib.import_module("kernels.reference.paged_attention")
+    assert callable(fresh.paged_attention_ref)
     with pytest.raises(ImportError, match="needs triton"):
-        fresh.paged_attention()
+        importlib.import_module("kernels.triton.paged_attention")

@@ -42,7 +42,7 @@ class Engine:
         self.max_batched_tokens = max_batched_tokens
         self.attention = PagedAttention(
             shape.num_layers, num_pages, page_size, shape.num_heads, shape.num_kv_heads,
-            shape.head_dim, loaded.model.dtype, loaded.model.embed.device,
+            shape.head_dim, loaded.model.dtype, loaded.model.embed.device, loaded.model.ops,
         )
         self.runner = ModelRunner(loaded.model, self.attention, page_size, prefix_sharing)
         self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len)

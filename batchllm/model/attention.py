@@ -1,7 +1,8 @@
 """The KV cache tensors and the attention of one step over them.
 
-On CUDA the Triton kernels run; elsewhere their pure-torch twins, with the decodes and the
-prefill chunks in C on the CPU where the kernels build (kernels/cpu_attention.py).
+The kernels are the model's (ops.py picks them): on CUDA the Triton kernels; elsewhere their
+pure-torch twins, with the decodes and the prefill chunks in C on the CPU where the kernels
+build (kernels/cpu/attention.py).
 A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
@@ -10,13 +11,12 @@ merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from kernels import cpu_attention, cpu_decode, cpu_ops, cpu_prefill, reference
-from kernels.step_index import StepIndex, index_step
+from batchllm.model.ops import ModelOps, pick_ops
+from kernels.reference.step_index import StepIndex, index_step
 
 
 @dataclass
@@ -35,37 +35,6 @@ class StepMetadata:
     cu_prefix_q: torch.Tensor | None = None  # [G+1] int32
 
 
-@dataclass(frozen=True)
-class _Ops:
-    store_kv: Callable
-    paged_attention: Callable
-    prefix_attention: Callable
-    merge_states: Callable
-    indexes_steps: bool  # the twin: paged_attention takes a StepIndex built once per step
-    gathers_decodes: bool = True  # that index holds gather rows for the one-query sequences
-    gathers_chunks: bool = True  # and for the prefill chunks
-    prefix_into: Callable | None = None  # prefix part merged into (o, lse) in place (C)
-
-
-def _ops_for(device: torch.device, dtype: torch.dtype, num_q_heads: int, head_dim: int) -> _Ops:
-    """Triton kernels on CUDA; on the CPU the twins, with decodes and prefill chunks in C where
-    the kernels build."""
-    if device.type == "cuda":
-        import kernels  # the Triton launchers, only where they can run
-
-        return _Ops(kernels.store_kv, kernels.paged_attention, kernels.prefix_attention,
-                    kernels.merge_states, indexes_steps=False)
-    c_decode = device.type == "cpu" and cpu_decode.supports(dtype, num_q_heads, head_dim)
-    c_prefill = device.type == "cpu" and cpu_prefill.supports(dtype, head_dim)
-    paged = cpu_attention.paged_attention_cpu if c_decode or c_prefill else (
-        reference.paged_attention_ref)
-    store = cpu_ops.store_kv_c if cpu_ops.runs_here(device, dtype) else reference.store_kv_ref
-    return _Ops(store, paged, reference.prefix_attention_ref,
-                reference.merge_states_ref, indexes_steps=True, gathers_decodes=not c_decode,
-                gathers_chunks=not c_prefill,
-                prefix_into=cpu_prefill.prefix_attention_into if c_prefill else None)
-
-
 class PagedAttention:
     """Owns the paged KV cache of all layers; `store` and `attend` are called by each layer."""
 
@@ -79,13 +48,16 @@ class PagedAttention:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        ops: ModelOps | None = None,
     ) -> None:
+        """`ops`: the model's (LlamaModel.ops); None picks them for this device, dtype and heads,
+        the same way."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         # torch.empty: pages are touched (and so resident on the CPU) only once used.
         self.k_cache = torch.empty(shape, dtype=dtype, device=device)
         self.v_cache = torch.empty(shape, dtype=dtype, device=device)
         self.scale = head_dim**-0.5
-        self.ops = _ops_for(torch.device(device), dtype, num_heads, head_dim)
+        self.ops = ops if ops is not None else pick_ops(device, dtype, num_heads, head_dim)
         self.meta: StepMetadata | None = None
         self._step_index: tuple[StepMetadata, StepIndex] | None = None  # (for which meta, index)
 
@@ -110,8 +82,8 @@ class PagedAttention:
         o, lse = self.ops.paged_attention(
             q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale, **extra
         )
-        if m.cascade_rows and self.ops.prefix_into is not None:
-            self.ops.prefix_into(q, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q,
+        if m.cascade_rows and self.ops.prefix_attention_into is not None:
+            self.ops.prefix_attention_into(q, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q,
                                  self.scale, o, lse)
         elif m.cascade_rows:
             n = m.cascade_rows

@@ -1,14 +1,17 @@
-"""y = x W^T + b for the model's projections, with the weight laid out once for the CPU.
+"""y = x W^T + b for the model's projections, with the weight laid out once, at load, as the
+model's ops record says (ops.py picks the layout; its reasons are there).
 
-On the CPU in float32 the weight is cut once, at load, into the 16-column panels of the C kernel
-(kernels/cpu_linear.py: decode steps' few rows at 1.2-1.4x oneDNN's speed, larger products
-1.1-1.2x). Where the kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0) it is reordered
-into oneDNN's blocked format instead (`torch.ops.mkldnn._reorder_linear_weight`, what
-torch.compile's freezing pass does) and run with oneDNN's matmul: MKL's sgemm behind F.linear is
-slow with few rows when the weights come from memory (30 layers do not stay in cache); over 30
-layers of SmolLM2-135M's four projections, F.linear -> oneDNN: 39 rows 58-65 -> 95-103 GFLOP/s,
-16 rows 38-45 -> 59-74, 256 rows 121-136 -> 135-153. Either layout replaces the dense weight (no
-extra memory). Elsewhere plain F.linear.
+  "panels"  CPU, float32: cut into the 16-column panels of the C kernel (kernels/cpu/linear.py:
+            decode steps' few rows at 1.2-1.4x oneDNN's speed, larger products 1.1-1.2x)
+  "onednn"  CPU, float32, where that kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0):
+            reordered into oneDNN's blocked format (`torch.ops.mkldnn._reorder_linear_weight`,
+            what torch.compile's freezing pass does) and run with oneDNN's matmul. MKL's sgemm
+            behind F.linear is slow with few rows when the weights come from memory (30 layers
+            do not stay in cache); over 30 layers of SmolLM2-135M's four projections, F.linear
+            -> oneDNN: 39 rows 58-65 -> 95-103 GFLOP/s, 16 rows 38-45 -> 59-74, 256 rows
+            121-136 -> 135-153.
+  "dense"   the weight as loaded, F.linear (CUDA, other dtypes)
+Either CPU layout replaces the dense weight (no extra memory).
 """
 
 from __future__ import annotations
@@ -16,35 +19,31 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from kernels import cpu_linear
+from batchllm.model.ops import Projection
+from kernels.cpu import linear as cpu_linear
 
 _ROWS_HINT = 64  # the batch size oneDNN picks its weight layout for: a decode step's rows
-
-
-def _cpu_float32(weight: torch.Tensor) -> bool:
-    return weight.device.type == "cpu" and weight.dtype == torch.float32
-
-
-def _onednn_usable() -> bool:
-    return (torch.backends.mkldnn.is_available()
-            and hasattr(torch.ops.mkldnn, "_reorder_linear_weight"))
 
 
 class Linear:
     """A projection: [T, K] -> [T, N]. The dense weight is not kept where it is laid out anew."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None = None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+                 layout: Projection) -> None:
         # weight [N, K], bias [N] or None
+        if layout != "dense" and (weight.device.type != "cpu" or weight.dtype != torch.float32):
+            raise ValueError(f"Linear: the {layout!r} layout takes a float32 weight on the CPU, "
+                             f"got {weight.dtype} on {weight.device}")
         self.out_features, self.in_features = weight.shape
         self.bias = bias
         self.weight = weight
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
         self.packed = None  # oneDNN's blocked weight, where it runs instead
-        if _cpu_float32(weight) and cpu_linear.load() is not None:
+        if layout == "panels":
             self.panels = cpu_linear.pack_panels(weight)
             self.panel_bias = cpu_linear.pack_bias(bias, self.out_features)
             self.weight = None
-        elif _cpu_float32(weight) and _onednn_usable():
+        elif layout == "onednn":
             self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
             self.weight = None
 

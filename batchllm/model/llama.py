@@ -12,10 +12,10 @@ from dataclasses import dataclass
 import torch
 from transformers import PretrainedConfig
 
-from batchllm.config import ConfigError
 from batchllm.model.attention import PagedAttention
+from batchllm.model.errors import ModelError
 from batchllm.model.linear import Linear
-from kernels.cpu_ops import pointwise_ops
+from batchllm.model.ops import ModelOps, Projection, pick_ops
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2")
 
@@ -40,7 +40,7 @@ class ModelShape:
 
 def model_shape(config: PretrainedConfig) -> ModelShape:
     if config.model_type not in SUPPORTED_MODEL_TYPES:
-        raise ConfigError(
+        raise ModelError(
             f"model.path: model type {config.model_type!r} is not supported; supported: "
             + ", ".join(SUPPORTED_MODEL_TYPES)
         )
@@ -83,17 +83,18 @@ def _mlp_rows(x: torch.Tensor, gate_up_width: int) -> int:
 
 
 class _Layer:
-    def __init__(self, state: dict[str, torch.Tensor], prefix: str) -> None:
+    def __init__(self, state: dict[str, torch.Tensor], prefix: str, layout: Projection) -> None:
         att = prefix + "self_attn."
         bias = [state.get(att + n + "_proj.bias") for n in "qkv"]
         self.qkv = Linear(  # [(Hq+2Hkv)*D, H]
             torch.cat([state[att + n + "_proj.weight"] for n in "qkv"]),
-            torch.cat(bias) if all(b is not None for b in bias) else None)
-        self.o = Linear(state[att + "o_proj.weight"])  # [H, Hq*D]
+            torch.cat(bias) if all(b is not None for b in bias) else None, layout)
+        self.o = Linear(state[att + "o_proj.weight"], None, layout)  # [H, Hq*D]
         mlp = prefix + "mlp."
         self.gate_up = Linear(  # [2I, H]
-            torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]))
-        self.down = Linear(state[mlp + "down_proj.weight"])  # [H, I]
+            torch.cat([state[mlp + "gate_proj.weight"], state[mlp + "up_proj.weight"]]), None,
+            layout)
+        self.down = Linear(state[mlp + "down_proj.weight"], None, layout)  # [H, I]
         self.norm_in = state[prefix + "input_layernorm.weight"]
         self.norm_post = state[prefix + "post_attention_layernorm.weight"]
 
@@ -107,17 +108,19 @@ class LlamaModel:
         state: dict[str, torch.Tensor],
         max_position: int,
     ) -> None:
-        self.shape = model_shape(config)
+        s = self.shape = model_shape(config)
         self.eps = config.rms_norm_eps
         self.embed = state["model.embed_tokens.weight"]  # [V, H]
-        self.lm_head = Linear(state.get("lm_head.weight", self.embed))  # [V, H]
+        self.dtype = self.embed.dtype
+        # Every op of the forward, picked once; PagedAttention(..., ops=model.ops) shares it.
+        self.ops: ModelOps = pick_ops(self.embed.device, self.dtype, s.num_heads, s.head_dim)
+        layout = self.ops.projection
+        self.lm_head = Linear(state.get("lm_head.weight", self.embed), None, layout)  # [V, H]
         self.norm = state["model.norm.weight"]
-        self.layers = [_Layer(state, f"model.layers.{i}.") for i in range(self.shape.num_layers)]
+        self.layers = [_Layer(state, f"model.layers.{i}.", layout) for i in range(s.num_layers)]
         cos, sin = _rope_tables(config, max_position)
         self.cos = cos.to(self.embed.device)  # [P, D]
         self.sin = sin.to(self.embed.device)
-        self.dtype = self.embed.dtype
-        self.pointwise = pointwise_ops(self.embed.device, self.dtype)  # C on the CPU, else torch
 
     @torch.inference_mode()
     def forward(
@@ -130,7 +133,7 @@ class LlamaModel:
         s = self.shape
         t = input_ids.shape[0]
         hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
-        ops, eps = self.pointwise, self.eps
+        ops, eps = self.ops.pointwise, self.eps
         h = self.embed[input_ids]  # [T, H], the residual stream
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, None, layer.norm_in, eps)

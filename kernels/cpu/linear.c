@@ -1,5 +1,5 @@
 /* y [M, N] = x [M, K] W^T + b on the CPU, float32, with W laid out once in column panels: built
- * and loaded by kernels/cpu_linear.py, whose twin (F.linear) it is checked against.
+ * and loaded by kernels/cpu/linear.py, whose twin (F.linear) it is checked against.
  *
  * Panels: W [N, K] as [ceil(N / 16), K, 16] (panel p, step k holds W[16p .. 16p + 15, k]; the
  * last panel's missing columns are zeros), so a 6-row x 16-column tile of y is 12 AVX2

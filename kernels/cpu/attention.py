@@ -1,15 +1,16 @@
 """Paged attention of a step on the CPU: the one-query sequences by the C decode kernel
-(cpu_decode.c), the prefill chunks by the C prefill kernel (cpu_prefill.c); a part whose kernel
-is missing runs the torch twin (reference.py). The step index says which: a part it was built
-with gather rows for (index_step's gather_decodes / gather_chunks) runs in torch."""
+(decode.c), the prefill chunks by the C prefill kernel (prefill.c); a part whose kernel is
+missing runs the torch twin (kernels/reference/paged_attention.py). The step index says which:
+a part it was built with gather rows for (index_step's gather_decodes / gather_chunks) runs in
+torch. Which parts have a kernel is decided once per model (batchllm/model/ops.py)."""
 
 from __future__ import annotations
 
 import torch
 
-from kernels import cpu_decode, cpu_prefill
-from kernels.reference import attend_chunks, attend_decodes
-from kernels.step_index import StepIndex
+from kernels.cpu import decode, prefill
+from kernels.reference.paged_attention import attend_chunks, attend_decodes
+from kernels.reference.step_index import StepIndex
 
 
 def paged_attention_cpu(
@@ -30,11 +31,11 @@ def paged_attention_cpu(
     if step.decodes or not len(step.decode_seqs):
         attend_decodes(q, k_cache, v_cache, step, scale, o, lse)
     else:
-        cpu_decode.decode_attention(q, k_cache, v_cache, page_table, context_lens, kv_start,
-                                    step.decode_seqs, step.decode_rows, scale, o, lse)
+        decode.decode_attention(q, k_cache, v_cache, page_table, context_lens, kv_start,
+                                step.decode_seqs, step.decode_rows, scale, o, lse)
     if step.chunks or not len(step.chunk_seqs):
         attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
     else:
-        cpu_prefill.prefill_attention(q, k_cache, v_cache, page_table, cu_q, context_lens,
-                                      kv_start, step.chunk_seqs, scale, o, lse)
+        prefill.prefill_attention(q, k_cache, v_cache, page_table, cu_q, context_lens,
+                                  kv_start, step.chunk_seqs, scale, o, lse)
     return o, lse

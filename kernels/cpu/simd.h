@@ -1,4 +1,4 @@
-/* Shared by the CPU kernels (kernels/cpu_*.c): e^x 8 at a time, and the online softmax on it. */
+/* Shared by the CPU kernels (the .c files beside it): e^x 8 at a time, and the online softmax. */
 #ifndef BATCHLLM_CPU_SIMD_H
 #define BATCHLLM_CPU_SIMD_H
 

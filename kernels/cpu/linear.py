@@ -1,4 +1,4 @@
-"""The CPU projection kernel (cpu_linear.c), built and loaded by kernels/cpu_build.py: y = x W^T + b
+"""The CPU projection kernel (linear.c), built and loaded by build.py: y = x W^T + b
 in float32 on a weight laid out once in 16-column panels; its twin is F.linear.
 
 Why C: a decode step multiplies each weight by only as many rows as sequences run (<= 64 on the
@@ -7,7 +7,8 @@ project's 2-core machine (AVX2 FMA peak ~200 GFLOP/s, two cores), over 30 layers
 SmolLM2-135M's four projections with the weights streamed from memory, oneDNN on its own
 reordered weight -> this: 16 rows 80-103 -> 141 GFLOP/s, 39 rows 105-119 -> 167, 64 rows 105-129
 -> 160-179, 512 rows 128-146 -> 168-188, 8,192 rows 151 -> 168 (the machine's phases move both;
-in a whole run, decode steps of 48-64 rows reach 171-178). Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None.
+in a whole run, decode steps of 48-64 rows reach 171-178). Without a compiler, or with
+BATCHLLM_CPU_KERNEL=0, `load()` returns None.
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ import functools
 
 import torch
 
-from kernels.cpu_build import load_library
+from kernels.cpu.build import load_library
 
 PANEL = 16  # columns of W per panel (the kernel's NR)
 
@@ -25,7 +26,7 @@ PANEL = 16  # columns of W per panel (the kernel's NR)
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (a warning says why, once)."""
-    lib = load_library("cpu_linear", "the CPU projection kernel")
+    lib = load_library("linear", "the CPU projection kernel")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -1,5 +1,5 @@
-"""The CPU prefill-chunk and shared-prefix attention kernel (cpu_prefill.c), built and loaded by
-kernels/cpu_build.py.
+"""The CPU prefill-chunk and shared-prefix attention kernel (prefill.c), built and loaded by
+build.py.
 
 Why C: torch's flash kernel needs each chunk's keys and values gathered out of the pages and its
 key heads repeated for grouped queries, and runs its blocks through small matrix products; the
@@ -7,7 +7,7 @@ kernel reads the pages in place, skips the key blocks a causal query block canno
 its tiles in registers (1.9x torch's flash kernel on 18 prompts of 440 tokens, 2 cores). A shared
 prefix's group of queries runs the same way, merged into its own part's result in the same pass.
 Without a compiler, with BATCHLLM_CPU_KERNEL=0 or a head size that is not a multiple of 16, the
-torch path (reference.attend_chunks) runs.
+torch path (kernels/reference/paged_attention.py's attend_chunks) runs.
 """
 
 from __future__ import annotations
@@ -17,13 +17,14 @@ import functools
 
 import torch
 
-from kernels.cpu_build import attention_args, load_library
+from kernels.cpu.build import load_library
+from kernels.cpu.checks import attention_args
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (a warning says why, once)."""
-    lib = load_library("cpu_prefill", "the CPU prefill attention kernel")
+    lib = load_library("prefill", "the CPU prefill attention kernel")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -1,6 +1,6 @@
 """Triton kernel: merge attention states over two disjoint key sets by the log-sum-exp rule.
 
-One program per (token, block of heads). Twin: `kernels.reference.merge_states_ref`.
+One program per (token, block of heads). Twin: `kernels.reference.merge_states.merge_states_ref`.
 """
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.store_kv import cdiv, check_device, check_rows, pow2
+from kernels.triton.checks import cdiv, check_device, check_rows, pow2
 
 
 @triton.jit

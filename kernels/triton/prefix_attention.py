@@ -5,7 +5,8 @@ times the GROUP query heads of a KV head (matrix-matrix products with tl.dot), s
 K and V are read once per tile rather than once per request. When the tiles alone cannot fill
 the GPU (a decode step: one query per request), the prefix keys are split into ranges whose
 partial (o, lse) a second small kernel merges (`_combine_splits_kernel`). No causal mask:
-every query comes after the prefix. Twin: `kernels.reference.prefix_attention_ref`.
+every query comes after the prefix. The tile's pieces are in tiles.py.
+Twin: `kernels.reference.prefix_attention.prefix_attention_ref`.
 """
 
 from __future__ import annotations
@@ -16,16 +17,15 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.paged_attention import (
+from kernels.triton.checks import cdiv, check_attention, check_device, check_index, pow2
+from kernels.triton.tiles import (
     LOG2E,
     attend_pages,
-    check_attention,
     find_seq,
     launch_options,
     store_tile,
     tile_rows,
 )
-from kernels.store_kv import cdiv, check_device, check_index, pow2
 
 
 @triton.jit

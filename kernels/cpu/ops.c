@@ -1,7 +1,7 @@
 /* The model's pointwise steps on the CPU, each one pass over its rows instead of torch's chain
  * of elementwise ops (each a pass over memory), and the KV store: built and loaded by
- * kernels/cpu_ops.py, whose torch twins (the formulas of Hugging Face's Llama modules, and
- * reference.store_kv_ref) they are checked against.
+ * kernels/cpu/ops.py, whose torch twins (kernels/reference/pointwise.py: the formulas of Hugging
+ * Face's Llama modules, and kernels/reference/store_kv.py) they are checked against.
  *
  * Shapes (float32, contiguous rows): see each function. Rows run in parallel with OpenMP (torch's
  * own runtime). AVX2 + FMA for e^x where the compiler targets them, else plain C.
@@ -9,7 +9,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 /* h [T, H] += delta [T, H] (when delta is not NULL), then
  * out [T, H] = w [H] * (h * 1 / sqrt(mean(h^2) + eps)), as LlamaRMSNorm in float32. */

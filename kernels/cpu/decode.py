@@ -1,9 +1,9 @@
-"""The CPU decode kernel (cpu_decode.c), built and loaded by kernels/cpu_build.py.
+"""The CPU decode kernel (decode.c), built and loaded by build.py.
 
 Why C: the torch twin of decode attention must gather every sequence's keys and values out of
 the pages into a padded copy before its products (reading them three times); the kernel reads
 them once, in place. On this project's 2-core machine it is 2.5-4x faster for 40 sequences of
-~500 tokens. Prefill chunks have their own kernel (cpu_prefill.c).
+~500 tokens. Prefill chunks have their own kernel (prefill.c).
 Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load()` returns None and the twin runs.
 """
 
@@ -14,13 +14,14 @@ import functools
 
 import torch
 
-from kernels.cpu_build import attention_args, load_library
+from kernels.cpu.build import load_library
+from kernels.cpu.checks import attention_args
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernel, or None where it cannot be built (a warning says why, once)."""
-    lib = load_library("cpu_decode", "the CPU decode kernel")
+    lib = load_library("decode", "the CPU decode kernel")
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p

@@ -1,6 +1,6 @@
 /* Prefill-chunk and shared-prefix attention on the CPU over the paged KV cache: the C twin of the
  * chunk half of paged_attention_ref and of prefix_attention_ref + merge_states_ref
- * (kernels/reference.py), built and loaded by kernels/cpu_prefill.py.
+ * (kernels/reference/), built and loaded by kernels/cpu/prefill.py.
  *
  * A sequence b of the step with n >= 2 queries (rows cu_q[b] .. cu_q[b+1] - 1, at positions
  * context_len - n .. context_len - 1) attends causally to its keys kv_start .. its own position.
@@ -24,7 +24,7 @@
 #include <omp.h>
 #endif
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 #define QB 32 /* queries per work item, at most */
 #define QB_MIN 4 /* queries per work item, at least, where a lone sequence is cut finer */

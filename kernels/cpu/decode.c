@@ -1,5 +1,6 @@
 /* Decode attention on the CPU over the paged KV cache: the C twin of the decode half of
- * paged_attention_ref (kernels/reference.py), built and loaded by kernels/cpu_decode.py.
+ * paged_attention_ref (kernels/reference/paged_attention.py), built and loaded by
+ * kernels/cpu/decode.py.
  *
  * For each one-query sequence i (seqs[i] indexes page_table/context_lens/kv_start, rows[i] is its
  * query row), every query head attends to the keys at positions kv_start .. context_len - 1,
@@ -20,7 +21,7 @@
 #include <math.h>
 #include <stdint.h>
 
-#include "cpu_simd.h"
+#include "simd.h"
 
 #define MAX_HEADS 64
 #define MAX_HEAD_DIM 256

@@ -1,12 +1,12 @@
-"""Builds and loads the C kernels of the CPU path (kernels/*.c): with the system C compiler on
-first use, cached, called through ctypes.
+"""Builds and loads the C kernels of the CPU path (the .c files beside this one): with the system
+C compiler on first use, cached, called through ctypes.
 
 Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
-~/.cache/batchllm/kernels), keyed by the source and the headers beside it, the flags, the
-compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib, already loaded), so
-torch's thread count applies. Without a compiler, or with BATCHLLM_CPU_KERNEL=0, `load_library`
-returns None (a warning says why, once per library) and the torch twins run. `attention_args`
-is the argument check the attention kernels' ctypes wrappers share.
+~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the source and the headers beside it,
+the flags, the compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib,
+already loaded), so torch's thread count applies. Without a compiler, or with
+BATCHLLM_CPU_KERNEL=0 (`enabled()` false), `load_library` returns None (a warning says why, once
+per library) and the torch twins run.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _build(name: str, compiler: str) -> Path:
         folder.mkdir(parents=True, exist_ok=True)
     except OSError:
         folder = Path(tempfile.gettempdir())
-    target = folder / f"{name}-{key}.so"
+    target = folder / f"cpu_{name}-{key}.so"
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
@@ -70,10 +70,16 @@ def _build(name: str, compiler: str) -> Path:
     return target
 
 
+def enabled() -> bool:
+    """False when BATCHLLM_CPU_KERNEL=0: the C kernels are switched off, neither built nor
+    picked (batchllm/model/ops.py asks here), and the torch twins run."""
+    return os.environ.get("BATCHLLM_CPU_KERNEL", "1") != "0"
+
+
 def load_library(name: str, what: str) -> ctypes.CDLL | None:
-    """kernels/{name}.c built and loaded, or None where it cannot be (`what` names it in the
+    """kernels/cpu/{name}.c built and loaded, or None where it cannot be (`what` names it in the
     warning). Callers cache the result and set the argument types."""
-    if os.environ.get("BATCHLLM_CPU_KERNEL", "1") == "0":
+    if not enabled():
         return None
     compiler = shutil.which(os.environ.get("CC", "cc"))
     try:
@@ -85,17 +91,3 @@ def load_library(name: str, what: str) -> ctypes.CDLL | None:
         print(f"batchllm: {what} could not be built ({detail}); the slower torch path runs",
               file=sys.stderr)
         return None
-
-
-def attention_args(what: str, q, dense, indices):
-    """The attention kernels' arguments made ready for C: q with its heads contiguous (its rows
-    may be apart: a view of the qkv projection), the caches and outputs (`dense`) contiguous, the
-    page tables, lengths and indices contiguous int32. Returns (q, indices)."""
-    if q.stride(2) != 1 or q.stride(1) != q.shape[2]:
-        q = q.contiguous()
-    if not all(t.is_contiguous() for t in dense):
-        raise ValueError(f"{what}: caches and outputs must be contiguous")
-    indices = [t.contiguous() for t in indices]
-    if any(t.dtype != torch.int32 for t in indices):
-        raise TypeError(f"{what}: page tables, lengths and indices are int32")
-    return q, indices

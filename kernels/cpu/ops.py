@@ -1,8 +1,6 @@
 """The model's pointwise steps (RMSNorm with its residual add, rotary embedding, SiLU-and-multiply)
-and the KV store: in C on the CPU (cpu_ops.c, built by kernels/cpu_build.py), each one pass over
-its rows, with torch twins written as Hugging Face's Llama modules compute them (used elsewhere,
-and the reference of the C versions in tests/test_cpu_ops.py; the store's twin is
-reference.store_kv_ref).
+and the KV store in C on the CPU (ops.c, built by build.py), each one pass over its rows. Their
+torch twins are kernels/reference/pointwise.py and kernels/reference/store_kv.py.
 
 Why C: torch runs each of these as a chain of elementwise ops, one pass over memory each (RMSNorm
 six, the rotary embedding eight); over SmolLM2-135M's 30 layers they took ~6 s of a 77 s
@@ -14,19 +12,17 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from collections.abc import Callable
-from typing import NamedTuple
 
 import torch
-import torch.nn.functional as F
 
-from kernels.cpu_build import load_library
+from kernels.cpu.build import load_library
+from kernels.reference.pointwise import PointwiseOps
 
 
 @functools.cache
 def load() -> ctypes.CDLL | None:
     """The built kernels, or None where they cannot be built (a warning says why, once)."""
-    lib = load_library("cpu_ops", "the CPU pointwise kernels")
+    lib = load_library("ops", "the CPU pointwise kernels")
     if lib is None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
@@ -37,12 +33,6 @@ def load() -> ctypes.CDLL | None:
     for f in (lib.cpu_add_rms_norm, lib.cpu_rope, lib.cpu_silu_mul, lib.cpu_store_kv):
         f.restype = None
     return lib
-
-
-class PointwiseOps(NamedTuple):
-    add_rms_norm: Callable  # (h [T,H], delta [T,H] or None, w [H], eps) -> [T,H]; h += delta
-    rope_: Callable  # (x [T, W], positions [T] int64, cos, sin [P, D], heads) -> None, in place
-    silu_mul: Callable  # (gate_up [T, 2I]) -> [T, I]
 
 
 def _rows(x: torch.Tensor) -> None:
@@ -89,7 +79,7 @@ def store_kv_c(
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
 ) -> None:
-    """reference.store_kv_ref in one parallel pass."""
+    """store_kv_ref (kernels/reference/store_kv.py) in one parallel pass."""
     t, hkv, d = k.shape
     for x in (k, v):
         if x.dtype != torch.float32 or x.stride(2) != 1 or x.stride(1) != d:
@@ -102,43 +92,4 @@ def store_kv_c(
                         slots.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr())
 
 
-def add_rms_norm_torch(h, delta, weight, eps):
-    if delta is not None:
-        h.add_(delta)
-    # As LlamaRMSNorm: the variance in float32, the weight in the model dtype.
-    x32 = h.float()
-    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * x32.to(h.dtype)
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-
-
-def rope_torch(x, positions, cos, sin, heads):
-    d = cos.shape[1]
-    c = cos[positions][:, None, :].to(x.dtype)  # [T, 1, D]
-    s = sin[positions][:, None, :].to(x.dtype)
-    part = x[:, : heads * d].view(x.shape[0], heads, d)
-    part.copy_(part * c + _rotate_half(part) * s)
-
-
-def silu_mul_torch(gate_up):
-    gate, up = gate_up.chunk(2, dim=-1)
-    return F.silu(gate, inplace=True).mul_(up)
-
-
 C_OPS = PointwiseOps(add_rms_norm_c, rope_c, silu_mul_c)
-TORCH_OPS = PointwiseOps(add_rms_norm_torch, rope_torch, silu_mul_torch)
-
-
-def runs_here(device: torch.device, dtype: torch.dtype) -> bool:
-    """Whether the C ops (pointwise and the KV store) serve this device and dtype: the CPU in
-    float32, where they build."""
-    return device.type == "cpu" and dtype == torch.float32 and load() is not None
-
-
-def pointwise_ops(device: torch.device, dtype: torch.dtype) -> PointwiseOps:
-    """C on the CPU in float32 where it builds; the torch twins elsewhere."""
-    return C_OPS if runs_here(device, dtype) else TORCH_OPS

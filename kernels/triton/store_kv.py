@@ -1,0 +1,63 @@
+"""Triton kernel: write a step's new K and V into their slots of the paged cache.
+
+Twin: `kernels.reference.store_kv.store_kv_ref`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.checks import check_cache, check_device, check_index, check_rows, pow2
+
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr,  # [T, Hkv, D]
+    k_cache_ptr, v_cache_ptr,  # [num_pages * page_size, Hkv, D], contiguous
+    slot_ptr,  # [T] int64
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_slot, stride_ch,
+    HKV: tl.constexpr, D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    t = tl.program_id(0)
+    slot = tl.load(slot_ptr + t).to(tl.int64)
+    if slot < 0:  # a padding slot: nothing to write
+        return
+    offs_h = tl.arange(0, BLOCK_H)
+    offs_d = tl.arange(0, BLOCK_D)
+    mask = (offs_h[:, None] < HKV) & (offs_d[None, :] < D)
+    dst = slot * stride_slot + offs_h[:, None] * stride_ch + offs_d[None, :]
+    k = tl.load(k_ptr + t * stride_kt + offs_h[:, None] * stride_kh + offs_d[None, :], mask=mask)
+    v = tl.load(v_ptr + t * stride_vt + offs_h[:, None] * stride_vh + offs_d[None, :], mask=mask)
+    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+def store_kv(
+    k: torch.Tensor,  # [T, Hkv, D]
+    v: torch.Tensor,  # [T, Hkv, D]
+    k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    v_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
+    slot_mapping: torch.Tensor,  # [T] int64
+) -> None:
+    """Write each token's K and V into slot page * page_size + offset of the paged cache.
+
+    K and V are cast to the cache dtype. A negative slot is skipped (a padding token).
+    """
+    _, hkv, d = check_cache(k_cache, v_cache)
+    t = k.shape[0] if k.dim() == 3 else -1
+    check_rows("k", k, (t, hkv, d))
+    check_rows("v", v, (t, hkv, d))
+    check_index("slot_mapping", slot_mapping, (t,), torch.int64)
+    check_device(_store_kv_kernel, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+                 slot_mapping=slot_mapping)
+    if t == 0:
+        return
+    _store_kv_kernel[(t,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(1), k_cache.stride(2),
+        HKV=hkv, D=d, BLOCK_H=pow2(hkv), BLOCK_D=pow2(d),
+    )

@@ -1,0 +1,113 @@
+"""The jitted pieces both attention kernels are made of (paged_attention.py, prefix_attention.py)
+and the launch settings they share.
+
+A program attends one tile: TILE_Q query tokens times the GROUP query heads that share a KV
+head, BLOCK_M rows in all, so a decode under grouped-query attention is still a matrix product.
+`find_seq` finds a tile's sequence (or group) without a host sync, `attend_pages` runs the
+online softmax over its keys block by block through a page table, `store_tile` normalises and
+writes (o, lse).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton.checks import pow2
+
+LOG2E = math.log2(math.e)
+
+
+@triton.jit
+def find_seq(cu_q_ptr, tile, num_seqs, TILE_Q: tl.constexpr):
+    """The last sequence b whose first tile, cu_q[b] // TILE_Q + b, is <= tile (-1 if none)."""
+    lo = 0
+    hi = num_seqs
+    while lo < hi:
+        mid = (lo + hi) // 2
+        first = tl.load(cu_q_ptr + mid) // TILE_Q + mid
+        if first <= tile:
+            lo = mid + 1
+        else:
+            hi = mid
+    return lo - 1
+
+
+@triton.jit
+def attend_pages(
+    q,  # [BLOCK_M, BLOCK_D] query rows of one KV head
+    k_cache_ptr, v_cache_ptr, table_ptr,  # table_ptr: this sequence's row of page ids
+    kv_lo, kv_hi,  # key positions [kv_lo, kv_hi)
+    kvh, q_pos, qk_scale,  # q_pos [BLOCK_M]: query positions (CAUSAL); qk_scale in log2 units
+    stride_slot, stride_kvh,
+    CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
+    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0."""
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    d_ok = offs_d < D
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    for start in range(kv_lo, kv_hi, BLOCK_N):
+        pos = start + offs_n  # [BLOCK_N] key positions
+        key_ok = pos < kv_hi
+        page = tl.load(table_ptr + pos // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + pos % PAGE_SIZE
+        kv_off = slot[:, None] * stride_slot + kvh * stride_kvh + offs_d[None, :]
+        kv_mask = key_ok[:, None] & d_ok[None, :]
+        k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
+        v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        visible = key_ok[None, :]
+        if CAUSAL:
+            visible = visible & (pos[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
+        alpha = tl.exp2(m_i - m_safe)
+        p = tl.exp2(s - m_safe[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return acc, m_i, l_i
+
+
+@triton.jit
+def store_tile(
+    o_ptr, lse_ptr, acc, m_i, l_i,
+    rows, heads, row_ok,  # [BLOCK_M] token row, query head, valid
+    stride_ot, stride_oh, stride_lt, stride_lh,
+    D: tl.constexpr, BLOCK_D: tl.constexpr,
+):
+    """o = acc / l (0 where l = 0), lse = ln(l) + m (-inf where l = 0)."""
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * 0.6931471805599453)
+    o = acc / l_safe[:, None]
+    offs_d = tl.arange(0, BLOCK_D)
+    o_off = rows[:, None] * stride_ot + heads[:, None] * stride_oh + offs_d[None, :]
+    o_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    tl.store(o_ptr + o_off, o.to(o_ptr.dtype.element_ty), mask=o_mask)
+    tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=row_ok)
+
+
+def launch_options(dtype: torch.dtype) -> dict:
+    """Key block, dot precision and pipelining per dtype. float32: exact products (no TF32) and
+    smaller key blocks, which keep its shared memory under 100 KB and its compile time short."""
+    if dtype == torch.float32:
+        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": 4, "num_stages": 2}
+    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3}
+
+
+def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
+    """-> (BLOCK_M, TILE_Q, number of tiles): a block of at least 16 rows holding whole groups."""
+    block_m = max(block_m, 16, pow2(group))
+    tile_q = block_m // group
+    return block_m, tile_q, t // tile_q + num_seqs
