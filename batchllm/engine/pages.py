@@ -6,8 +6,9 @@ from __future__ import annotations
 class PagePool:
     """Pages 0..num_pages-1. A page is free when its reference count is 0.
 
-    `allocate` gives pages with count 1 (lowest ids first, so the touched part of the cache stays
-    compact); `share` adds a reference; `release` drops one and frees pages that reach 0.
+    `allocate` gives pages with count 1: a fresh pool hands out the lowest ids first, then freed
+    pages come back last freed first (a stack, so the touched part of the cache stays compact);
+    `share` adds a reference; `release` drops one and frees pages that reach 0.
     "Does not fit" is a None from `allocate`, never an exception.
     """
 
@@ -54,6 +55,8 @@ class PagePool:
                 self._free.append(p)
 
     def check(self) -> None:
+        """Assert that the free list holds exactly the pages with count 0, once each, and that
+        `num_shared` counts the pages referenced more than once."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is twice in the free list"
         for p, r in enumerate(self.refs):

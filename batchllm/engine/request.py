@@ -41,8 +41,3 @@ class Sequence:
     @property
     def output_ids(self) -> list[int]:
         return self.token_ids[self.num_prompt_tokens :]
-
-    @property
-    def samples_after(self) -> bool:
-        """True when running the rest of its known tokens yields a token to sample."""
-        return self.kind is Kind.ROW

@@ -1,30 +1,22 @@
 """One `schedule()` per step: which sequences run how many tokens, against a token budget and the
 page pool. Continuous batching: finished sequences leave at once, waiting ones are admitted at
 every step in plan order. When pages run out, the latest admitted sequence is preempted (its
-pages freed, recomputed later). Shared prefixes: a prefix node, once computed, keeps its pages
-pinned until its last dependent is admitted; each dependent borrows the full pages (reference
-counts) and gets its own copy of a partial last page. Ints only: no tensors here.
+pages freed, recomputed later). Shared prefixes live in a `PrefixStore` (prefix_store.py): a
+computed prefix keeps its pages until its last dependent is admitted, and each dependent borrows
+them on admission. Ints only: no tensors here.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from collections import Counter, deque
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from batchllm.engine.pages import PagePool
+from batchllm.engine.prefix_store import PrefixStore
 from batchllm.engine.request import Kind, Sequence
 
 _LOOKAHEAD = 64  # waiting sequences scanned past one blocked on an unfinished prefix
-
-
-@dataclass
-class PrefixEntry:
-    """A computed shared prefix: its pages hold positions [0, end)."""
-
-    pages: list[int]
-    end: int
-    pins: int  # dependents not yet admitted; the entry holds one reference while > 0
 
 
 class StepPlan(NamedTuple):
@@ -32,6 +24,25 @@ class StepPlan(NamedTuple):
     num_tokens: list[int]  # tokens each runs
     copies: list[tuple[int, int]]  # (source page, destination page), to copy before the step
     from_prefix: list[Sequence]  # rows admitted whose whole prompt is a computed prefix
+
+
+@dataclass
+class _PlanBuilder:
+    """The step plan as it is filled, with the token budget left."""
+
+    budget: int
+    seqs: list[Sequence] = field(default_factory=list)
+    num_tokens: list[int] = field(default_factory=list)
+    copies: list[tuple[int, int]] = field(default_factory=list)
+    from_prefix: list[Sequence] = field(default_factory=list)
+
+    def run(self, seq: Sequence, n: int) -> None:
+        self.seqs.append(seq)
+        self.num_tokens.append(n)
+        self.budget -= n
+
+    def build(self) -> StepPlan:
+        return StepPlan(self.seqs, self.num_tokens, self.copies, self.from_prefix)
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -45,14 +56,16 @@ class Scheduler:
     max_num_seqs: int
     max_batched_tokens: int
     node_users: dict[int, int] = field(default_factory=dict)  # prefix node -> dependents
-    waiting: deque[Sequence] = field(default_factory=deque)
-    running: list[Sequence] = field(default_factory=list)
-    prefixes: dict[int, PrefixEntry] = field(default_factory=dict)
-    evicted: set[int] = field(default_factory=set)  # prefixes dropped under memory pressure
+    waiting: deque[Sequence] = field(default_factory=deque)  # hold no pages, computed 0
+    running: list[Sequence] = field(default_factory=list)  # in admission order
+    prefixes: PrefixStore = field(init=False)  # `node in prefixes`: computed and held
     preemptions: int = 0
 
+    def __post_init__(self) -> None:
+        self.prefixes = PrefixStore(self.pool, self.page_size)
+
     def add(self, seq: Sequence) -> None:
-        if seq.parent in self.evicted:
+        if seq.parent in self.prefixes.evicted:
             seq.parent = -1
         self.waiting.append(seq)
 
@@ -64,16 +77,12 @@ class Scheduler:
         return max(0, -(-upto // self.page_size) - len(seq.pages))
 
     def schedule(self) -> StepPlan:
-        budget = self.max_batched_tokens
-        seqs: list[Sequence] = []
-        counts: list[int] = []
-        copies: list[tuple[int, int]] = []
-        from_prefix: list[Sequence] = []
+        plan = _PlanBuilder(self.max_batched_tokens)
         preempted = False
         i = 0
-        while i < len(self.running) and budget > 0:
+        while i < len(self.running) and plan.budget > 0:
             seq = self.running[i]
-            n = min(seq.total - seq.computed, budget)
+            n = min(seq.total - seq.computed, plan.budget)
             need = self._pages_short(seq, seq.computed + n)
             while need > self.pool.num_free and self.running[-1] is not seq:
                 self._preempt(self.running[-1])
@@ -83,16 +92,14 @@ class Scheduler:
                 preempted = True
                 break
             seq.pages += self.pool.allocate(need)
-            seqs.append(seq)
-            counts.append(n)
-            budget -= n
+            plan.run(seq, n)
             i += 1
         if not preempted:
-            self._admit(budget, seqs, counts, copies, from_prefix)
+            self._admit(plan)
         # Nothing runs and nothing fits: pinned prefixes hold the pages. Degrade: drop pinned
         # prefixes (their dependents recompute them) until the head of the queue fits.
         while not self.running and self.waiting and self._evict_prefix():
-            self._admit(budget, seqs, counts, copies, from_prefix)
+            self._admit(plan)
         if not self.running and self.waiting:
             head = self.waiting[0]
             need = -(-(head.total + 1) // self.page_size)
@@ -100,13 +107,16 @@ class Scheduler:
                 f"the KV cache has {self.pool.num_pages} pages of {self.page_size} tokens; "
                 f"a request of {head.total} tokens needs {need}: give engine.kv_cache_memory more"
             )
-        return StepPlan(seqs, counts, copies, from_prefix)
+        return plan.build()
 
-    def _admit(self, budget, seqs, counts, copies, from_prefix) -> None:
+    def _admit(self, plan: _PlanBuilder) -> None:
+        """Admit waiting sequences in order while the budget, max_num_seqs and the pages allow;
+        the first that does not fit stops admission (a 1% watermark of the pool stays free for
+        the running sequences' decode pages). Skips those whose prefix is still computing."""
         watermark = self.pool.num_pages // 100
         scanned = 0
         idx = 0
-        while (idx < len(self.waiting) and scanned < _LOOKAHEAD and budget > 0
+        while (idx < len(self.waiting) and scanned < _LOOKAHEAD and plan.budget > 0
                and len(self.running) < self.max_num_seqs):
             seq = self.waiting[idx]
             scanned += 1
@@ -114,69 +124,55 @@ class Scheduler:
                 idx += 1  # its prefix is still being computed
                 continue
             fits, copy = self._attach(seq)
-            n = min(seq.total - seq.computed, budget)
+            n = min(seq.total - seq.computed, plan.budget)
             need = self._pages_short(seq, seq.computed + n)
             if not fits or need > self.pool.num_free - watermark:
-                self._detach(seq)
+                self._reset(seq)
                 break
             seq.pages += self.pool.allocate(need)
             del self.waiting[idx]
-            self._unpin(seq.parent)
+            if seq.parent >= 0:
+                self.prefixes.unpin(seq.parent)
             self.running.append(seq)
             if copy is not None:
-                copies.append(copy)
+                plan.copies.append(copy)
             if n == 0:
-                from_prefix.append(seq)
+                plan.from_prefix.append(seq)
             else:
-                seqs.append(seq)
-                counts.append(n)
-                budget -= n
+                plan.run(seq, n)
 
     def _attach(self, seq: Sequence) -> tuple[bool, tuple[int, int] | None]:
-        """Borrow the parent prefix's pages. Returns whether a page for the copy of a partial
-        last page could be had, and that copy (source, destination), if any."""
+        """Borrow the parent prefix's pages, if it has one. Returns whether the page for the
+        copy of a partial last page could be had, and that copy (source, destination), if any."""
         if seq.parent < 0:
-            seq.computed = 0
             return True, None
-        entry = self.prefixes[seq.parent]
-        full = entry.end // self.page_size
-        seq.pages = entry.pages[:full]
-        self.pool.share(seq.pages)
-        seq.num_borrowed_pages = full
-        seq.computed = entry.end
-        if seq.kind is Kind.ROW:
-            seq.cached_tokens = entry.end
-        if entry.end % self.page_size == 0:
-            return True, None
-        own = self.pool.allocate(1)
-        if own is None:
+        got = self.prefixes.attach(seq.parent)
+        if got is None:
             return False, None
-        seq.pages.append(own[0])
-        return True, (entry.pages[full], own[0])
+        seq.pages = got.pages
+        seq.num_borrowed_pages = got.num_shared
+        seq.computed = got.end
+        if seq.kind is Kind.ROW:
+            seq.cached_tokens = got.end
+        return True, got.copy
 
-    def _detach(self, seq: Sequence) -> None:
+    def _release(self, seq: Sequence) -> None:
+        """Give back every page `seq` holds (borrowed ones drop a reference)."""
         self.pool.release(seq.pages)
         seq.pages = []
         seq.num_borrowed_pages = 0
+
+    def _reset(self, seq: Sequence) -> None:
+        """`seq` loses its pages and starts over: nothing computed, nothing borrowed."""
+        self._release(seq)
         seq.computed = 0
         seq.cached_tokens = 0
 
-    def _unpin(self, node: int) -> None:
-        if node < 0:
-            return
-        entry = self.prefixes[node]
-        entry.pins -= 1
-        if entry.pins == 0:
-            self.pool.release(entry.pages)
-            del self.prefixes[node]
-
     def _evict_prefix(self) -> bool:
-        """Release the most recently computed pinned prefix; False when there is none."""
-        if not self.prefixes:
+        """Evict the most recently computed prefix; False when there is none."""
+        node = self.prefixes.evict()
+        if node is None:
             return False
-        node = next(reversed(self.prefixes))
-        self.pool.release(self.prefixes.pop(node).pages)
-        self.evicted.add(node)
         for seq in self.waiting:
             if seq.parent == node:
                 seq.parent = -1
@@ -185,35 +181,35 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         """Free a running sequence's pages and put it first in line, to be recomputed."""
         self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.pages = []
-        seq.num_borrowed_pages = 0
-        seq.computed = 0
-        seq.cached_tokens = 0
-        if seq.parent in self.prefixes:
-            self.prefixes[seq.parent].pins += 1  # it will borrow again
-        else:
+        self._reset(seq)
+        if not self.prefixes.repin(seq.parent):
             seq.parent = -1  # the prefix is gone: compute everything itself
         self.waiting.appendleft(seq)
         self.preemptions += 1
 
-    def step_done(self, plan: StepPlan) -> list[Sequence]:
-        """Advance the counters after the forward pass; returns the prefixes completed now."""
-        done = []
+    def step_done(self, plan: StepPlan) -> None:
+        """Advance the counters after the forward pass; completed prefixes go to the store."""
         for seq, n in zip(plan.seqs, plan.num_tokens):
             seq.computed += n
             if seq.kind is Kind.PREFIX and seq.computed == seq.total:
                 self.running.remove(seq)
-                pins = self.node_users.get(seq.key, 0)
-                self.prefixes[seq.key] = PrefixEntry(seq.pages, seq.total, pins)
-                if pins == 0:
-                    self.pool.release(seq.pages)
-                    del self.prefixes[seq.key]
-                done.append(seq)
-        return done
+                self.prefixes.add(seq.key, seq.pages, seq.total, self.node_users.get(seq.key, 0))
 
     def finish(self, seq: Sequence) -> None:
         """A row is done: its pages go back to the pool at once."""
         self.running.remove(seq)
-        self.pool.release(seq.pages)
-        seq.pages = []
+        self._release(seq)
+
+    def check(self) -> None:
+        """Assert that the pool's reference counts are exactly what the stored prefixes and the
+        running sequences hold, that waiting sequences hold nothing, and the store's invariants."""
+        self.pool.check()
+        self.prefixes.check()
+        refs = Counter(self.prefixes.held())
+        for seq in self.running:
+            refs.update(seq.pages)
+        for p, r in enumerate(self.pool.refs):
+            assert refs[p] == r, f"page {p}: pool counts {r}, holders {refs[p]}"
+        for seq in self.waiting:
+            assert not seq.pages and seq.computed == 0, f"waiting {seq.kind} {seq.key} holds KV"
+        assert len(self.running) <= self.max_num_seqs, "more running than max_num_seqs"

@@ -1,0 +1,107 @@
+"""PagePool on tiny pools: exact page ids, reference counts, peaks, "does not fit", check()."""
+
+from __future__ import annotations
+
+import pytest
+
+from batchllm.engine.pages import PagePool
+
+
+def test_fresh_pool_hands_out_lowest_ids_first() -> None:
+    pool = PagePool(6)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(3) == [2, 3, 4]
+    assert (pool.num_used, pool.num_free) == (5, 1)
+    assert pool.refs == [1, 1, 1, 1, 1, 0]
+
+
+def test_freed_pages_come_back_last_freed_first() -> None:
+    pool = PagePool(6)
+    assert pool.allocate(4) == [0, 1, 2, 3]
+    pool.release([1, 2])
+    assert pool.allocate(3) == [2, 1, 4]
+    pool.release([3])
+    pool.release([0])
+    assert pool.allocate(2) == [0, 3]
+    pool.check()
+
+
+def test_does_not_fit_is_none_and_takes_nothing() -> None:
+    pool = PagePool(3)
+    assert pool.allocate(2) == [0, 1]
+    assert pool.allocate(2) is None
+    assert pool.num_free == 1
+    assert pool.allocate(0) == []
+    assert pool.allocate(1) == [2]
+    assert pool.allocate(1) is None
+    pool.check()
+
+
+def test_share_and_release_count_references() -> None:
+    pool = PagePool(4)
+    assert pool.allocate(2) == [0, 1]
+    pool.share([0, 1])
+    pool.share([0])
+    assert pool.refs == [3, 2, 0, 0]
+    assert (pool.num_shared, pool.peak_shared) == (2, 2)
+    pool.release([0, 1])
+    assert pool.refs == [2, 1, 0, 0]
+    assert (pool.num_shared, pool.num_free) == (1, 2)  # one reference still holds each page
+    pool.release([0, 1])
+    assert pool.refs == [1, 0, 0, 0]
+    assert (pool.num_shared, pool.num_free) == (0, 3)
+    pool.release([0])
+    assert (pool.num_used, pool.num_shared, pool.peak_shared) == (0, 0, 2)
+    pool.check()
+
+
+def test_peak_used_is_the_high_water_mark() -> None:
+    pool = PagePool(5)
+    pool.allocate(3)
+    pool.release([0, 2])
+    assert pool.allocate(1) == [2]
+    assert (pool.num_used, pool.peak_used) == (2, 3)
+    pool.allocate(3)
+    assert pool.peak_used == 5
+
+
+def test_sharing_a_free_page_fails() -> None:
+    pool = PagePool(2)
+    pool.allocate(1)
+    with pytest.raises(AssertionError, match="page 1 is free"):
+        pool.share([0, 1])
+
+
+def test_releasing_a_page_twice_fails() -> None:
+    pool = PagePool(2)
+    pool.allocate(2)
+    pool.release([1])
+    with pytest.raises(AssertionError, match="page 1 released more often"):
+        pool.release([1])
+
+
+def test_check_catches_a_double_free() -> None:
+    pool = PagePool(3)
+    pool.allocate(2)
+    pool.release([1])
+    pool.check()
+    pool._free.append(1)  # what a second free that skipped the count would leave
+    with pytest.raises(AssertionError, match="twice in the free list"):
+        pool.check()
+
+
+def test_check_catches_a_used_page_on_the_free_list() -> None:
+    pool = PagePool(3)
+    pool.allocate(2)
+    pool._free.append(0)  # page 0 still has a reference
+    with pytest.raises(AssertionError, match="page 0: refs 1, free True"):
+        pool.check()
+
+
+def test_check_catches_a_wrong_shared_count() -> None:
+    pool = PagePool(2)
+    pool.allocate(1)
+    pool.share([0])
+    pool.num_shared = 0
+    with pytest.raises(AssertionError, match="shared page count"):
+        pool.check()
