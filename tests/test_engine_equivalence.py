@@ -52,7 +52,7 @@ def engine(kind: str, **settings) -> LLM:
 
 def kv_bytes(llm_kind: str, pages: int, page_size: int) -> int:
     probe = engine(llm_kind)
-    return pages * page_size * probe.engine.bytes_per_token
+    return pages * page_size * probe.runtime.engine.bytes_per_token
 
 
 def run_and_compare(kind: str, **settings) -> dict:

@@ -28,15 +28,42 @@ def make_job(tmp: Path, name: str) -> Path:
                     engine={"kv_cache_memory": "64MiB", "max_num_seqs": 4})
 
 
-def start(job: Path, *args: str) -> subprocess.Popen:
+# The CLI with os.replace wrapped so that renaming the final file over its name kills the
+# process first: a crash after out.parquet.tmp is written and before it becomes out.parquet, a
+# moment too short to hit with a signal from outside.
+_KILLED_BEFORE_FINAL_RENAME = """
+import os, signal, sys
+final, replace = os.path.abspath(sys.argv.pop(1)), os.replace
+def replace_unless_final(src, dst, *args, **kwargs):
+    if os.path.abspath(dst) == final:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return replace(src, dst, *args, **kwargs)
+os.replace = replace_unless_final
+from batchllm.cli import app
+app()
+"""
+
+
+def start(job: Path, *args: str, kill_before: Path | None = None) -> subprocess.Popen:
+    """`batchllm run job`; with kill_before, one that SIGKILLs itself as it would rename its
+    final file to `kill_before`."""
     env = dict(os.environ, BATCHLLM_CHECKPOINT_ROWS="8", PYTHONUNBUFFERED="1")
-    return subprocess.Popen([BATCHLLM, "run", str(job), "--quiet", *args], env=env,
+    cli = [BATCHLLM] if kill_before is None else [
+        sys.executable, "-c", _KILLED_BEFORE_FINAL_RENAME, str(kill_before)]
+    return subprocess.Popen([*cli, "run", str(job), "--quiet", *args], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
+def part_files(out: Path) -> list[Path]:
+    return sorted(Path(str(out) + ".parts").glob("part-*.parquet"))
+
+
 def parts(out: Path) -> int:
-    folder = Path(str(out) + ".parts")
-    return len(list(folder.glob("part-*.parquet"))) if folder.exists() else 0
+    return len(part_files(out))
+
+
+def rows_in_parts(out: Path) -> int:
+    return sum(pq.read_metadata(p).num_rows for p in part_files(out))
 
 
 @pytest.fixture(scope="module")
@@ -50,21 +77,25 @@ def uninterrupted(tmp_path_factory) -> pa.Table:
 
 @pytest.mark.parametrize("kill_after_parts", [1, 6, None])
 def test_sigkill_then_resume_gives_the_same_file(tmp_path, uninterrupted, kill_after_parts):
+    """Killed from outside once 1 or 6 of the 12 parts are written (the rest of the run, about 1 s
+    idle after part 6, leaves the kill ample time to land mid-run), or from inside as it would
+    rename the final file (None)."""
     job = make_job(tmp_path, "run")
     out = tmp_path / "run" / "out.parquet"
-    proc = start(job)
-    # None: kill as soon as the final file is being written (or after, if it was quick)
-    while proc.poll() is None:
-        if kill_after_parts is not None and parts(out) >= kill_after_parts:
-            break
-        if kill_after_parts is None and Path(str(out) + ".tmp").exists():
-            break
-        time.sleep(0.005)
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(timeout=60)
-    if kill_after_parts is not None:
-        assert not out.exists()
-        assert parts(out) >= kill_after_parts
+    if kill_after_parts is None:
+        proc = start(job, kill_before=out)
+    else:
+        proc = start(job)
+        while proc.poll() is None and parts(out) < kill_after_parts:
+            time.sleep(0.005)
+        proc.send_signal(signal.SIGKILL)
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == -signal.SIGKILL, f"not killed: exit {proc.returncode}\n{err}"
+    assert not out.exists()
+    if kill_after_parts is None:  # every row is in the parts; the final file was written
+        assert rows_in_parts(out) == ROWS and Path(str(out) + ".tmp").is_file()
+    else:  # killed mid-run
+        assert parts(out) >= kill_after_parts and rows_in_parts(out) < ROWS
     again = start(job)
     _, err = again.communicate(timeout=600)
     assert again.returncode == 2 and "exists" in err  # mode error refuses the leftovers
@@ -75,10 +106,12 @@ def test_sigkill_then_resume_gives_the_same_file(tmp_path, uninterrupted, kill_a
     assert final.equals(uninterrupted)
     assert final.schema.metadata == uninterrupted.schema.metadata
     assert not Path(str(out) + ".parts").exists()
-    if kill_after_parts is not None:
-        metrics = json.loads(Path(str(out) + ".metrics.json").read_text())
+    metrics = json.loads(Path(str(out) + ".metrics.json").read_text())
+    assert metrics["rows"] == ROWS
+    if kill_after_parts is None:
+        assert metrics["rows_resumed"] == ROWS
+    else:
         assert 0 < metrics["rows_resumed"] < ROWS
-        assert metrics["rows"] == ROWS
 
 
 def test_sigterm_flushes_and_says_how_to_resume(tmp_path, uninterrupted):

@@ -14,10 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+from hf_reference import tiny_model_folder
 from job_files import output_row, tiny_job
 
 from batchllm.config import ConfigError, load_job
 from batchllm.job import fingerprint, run_job
+from batchllm.model.weights import load_tokenizer
 from batchllm.plan_report import plan_job
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
@@ -27,12 +29,12 @@ from batchllm.scale.cluster import actor_name
 ray = pytest.importorskip("ray")
 
 ROWS = 64
+PROMPTS = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
+           for i in range(ROWS)]
 
 
 def make_job(tmp: Path, name: str, workers: int) -> Path:
-    prompts = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
-               for i in range(ROWS)]
-    return tiny_job(tmp, name, f"scale-{name}", prompts,
+    return tiny_job(tmp, name, f"scale-{name}", PROMPTS,
                     sampling={"max_tokens": 12, "temperature": 0.8, "seed": 5},
                     engine={"kv_cache_memory": "64MiB", "max_num_seqs": 8, "workers": workers})
 
@@ -90,6 +92,25 @@ def check_workers(metrics: dict) -> None:
     assert metrics["prefill_tokens"] == sum(w["prefill_tokens"] for w in per)
 
 
+def shared_by_one_contract() -> int:
+    """The tokens both workers compute when two shards are cut from PROMPTS.
+
+    The 5 contracts (rows with equal i % 5) hold 13, 13, 13, 13 and 12 rows of about equal cost,
+    so no cut between whole contracts (26 or 39 rows) lies within the 10% tolerance of half the
+    cost (32 rows); a cut between two clauses of one contract does (26 + 4 = 30 rows), and among
+    those cuts both sharding modes take one that separates the fewest shared tokens: the prefix
+    that all rows of one contract share (the chat template's system turn, then "Contract k: the
+    parties agree to clause "). It is computed on both workers."""
+    tokenizer = load_tokenizer(tiny_model_folder("llama"))
+    chats = [[{"role": "user", "content": p}] for i, p in enumerate(PROMPTS) if i % 5 == 0]
+    texts = tokenizer.apply_chat_template(chats, tokenize=False, add_generation_prompt=True)
+    ids = tokenizer(texts, add_special_tokens=False)["input_ids"]
+    shared = 0
+    while len({tuple(row[: shared + 1]) for row in ids}) == 1:
+        shared += 1
+    return shared
+
+
 @pytest.mark.parametrize("sharding", ["tree", "partition"])
 def test_plan_shows_shards_without_running(tmp_path, sharding):
     report = plan_job(str(make_job(tmp_path, "plan", workers=2)),
@@ -97,7 +118,7 @@ def test_plan_shows_shards_without_running(tmp_path, sharding):
     assert report["workers"] == 2 and report["sharding"].startswith(sharding)
     rows = [int(report[f"shard {k}"].split()[0].removeprefix("rows=")) for k in (0, 1)]
     assert sum(rows) == ROWS and min(rows) > 0
-    assert report["duplicated_prefix_tokens"] >= 0
+    assert report["duplicated_prefix_tokens"] == shared_by_one_contract()
     assert (report["predicted_prefill_tokens_all_workers"]
             == report["tree_tokens"] + report["duplicated_prefix_tokens"])
 

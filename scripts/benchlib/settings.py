@@ -1,0 +1,94 @@
+"""The settings run in this process: the workload tokenized once, each setting timed in turn."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+import torch
+
+from batchllm.model.weights import load_tokenizer, resolve_model
+
+from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
+from .batchllm_run import run_batchllm
+from .workload import contract_workload, read_workload
+
+SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing")
+
+
+def skipped(args: argparse.Namespace) -> dict[str, bool]:
+    """Per setting: whether the command line skips it."""
+    return {"hf-static": args.skip_hf or args.skip_hf_static,
+            "hf-continuous": args.skip_hf or args.skip_hf_continuous,
+            "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm}
+
+
+def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
+    """Every setting the command line asks for (only args.only, when set), one after the other in
+    this process. Returns (one result per setting, the run's environment)."""
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    folder = resolve_model(args.model)
+    tokenizer = load_tokenizer(folder)
+    with tempfile.TemporaryDirectory() as tmp:
+        path = args.workload or contract_workload(Path(tmp) / "contract.parquet")
+        work = read_workload(path, tokenizer, args.rows, args.max_tokens)
+    prompts, max_tokens, prompt_tokens = work.prompts, work.max_tokens, work.prompt_tokens
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    load = os.getloadavg()[0]
+    if load > (os.cpu_count() or 1):
+        print(f"bench: WARNING load average {load:.1f} > {os.cpu_count()} cores: other processes "
+              "are running, figures will be unreliable", file=sys.stderr)
+    print(f"workload: {len(prompts)} rows, {prompt_tokens} prompt tokens, {sum(max_tokens)} "
+          f"output tokens, model {args.model}, device {args.device}, threads "
+          f"{torch.get_num_threads()}", file=sys.stderr)
+
+    wanted = {args.only} if args.only is not None else set(SETTINGS)
+    skip = skipped(args)
+    runs: list[tuple[str, Callable[[], dict]]] = []
+    if not args.skip_hf and wanted & {"hf-static", "hf-continuous"}:
+        model = load_hf_model(folder, args.device)
+        if not skip["hf-static"]:
+            runs.append(("hf-static",
+                         lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size)))
+        if not skip["hf-continuous"] and has_continuous_batching(model):
+            runs.append(("hf-continuous",
+                         lambda: hf_continuous(model, prompts, max_tokens, pad_id)))
+    if not args.skip_batchllm and wanted & {"batchllm-sharing", "batchllm-no-sharing"}:
+        for sharing in (True, False):
+            settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
+                        "prompt_tokens": prompt_tokens,
+                        "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
+                                          "device": args.device, "dtype": "float32"}}
+            name = "batchllm-sharing" if sharing else "batchllm-no-sharing"
+            runs.append((name, lambda s=settings: run_batchllm(s)))
+
+    if args.only is not None:
+        runs = [(name, fn) for name, fn in runs if name == args.only]
+    results = [_timed(name, fn, prompt_tokens) for name, fn in runs]
+    env = {"rows": len(prompts), "prompt_tokens": prompt_tokens, "device": args.device,
+           "load_average_at_start": load, "cpu_count": os.cpu_count(),
+           "threads": torch.get_num_threads(), "torch": torch.__version__}
+    return results, env
+
+
+def _timed(name: str, fn: Callable[[], dict], prompt_tokens: int) -> dict:
+    """One setting's result with its token rates; a failure is a note, not an exception."""
+    print(f"running {name} ...", file=sys.stderr, flush=True)
+    try:
+        r = fn()
+    except ImportError as exc:
+        r = {"note": f"skipped: cannot import batchllm ({exc})"}
+    except Exception as exc:  # noqa: BLE001 - one failed setting must not hide the others
+        r = {"note": f"failed: {type(exc).__name__}: {exc}"}
+    r = {"setting": name, "prompt_tokens": prompt_tokens, **r}
+    if "wall_s" in r:
+        r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
+        r["total_tok_s"] = (prompt_tokens + r["output_tokens"]) / r["wall_s"]
+    print(f"  {name}: {r.get('wall_s', float('nan')):.1f} s {r.get('note', '')}",
+          file=sys.stderr, flush=True)
+    return r
