@@ -88,7 +88,8 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
                 return json.load(f)
         except OSError:
             return {"rows": rows.num_rows, "rows_error": 0}
-    bar = Progress(rows.num_rows, len(done), enabled=progress)
+    whole = sum(1 for k in done if isinstance(k, int))  # the rest: samples of rows not all done
+    bar = Progress(rows.num_rows, whole, enabled=progress)
 
     def interrupt(signum, frame) -> None:
         raise JobInterrupted(signal.Signals(signum).name)
@@ -97,7 +98,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     main_thread = threading.current_thread() is threading.main_thread()  # signals: main only
     previous = {s: signal.signal(s, interrupt) for s in handled} if main_thread else {}
     try:
-        if cfg.engine.workers > 1 and len(done) < rows.num_rows:  # else nothing to shard
+        if cfg.engine.workers > 1 and whole < rows.num_rows:  # else nothing to shard
             from batchllm.scale.driver import run_sharded  # imports ray
 
             metrics = run_sharded(cfg, rows, writer, done, bar).to_dict()
@@ -119,7 +120,7 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
                               cfg.output.include_token_ids, rows.num_rows)
     metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
-                   rows_error=written.rows_error, rows_resumed=len(done), job=cfg.name)
+                   rows_error=written.rows_error, rows_resumed=whole, job=cfg.name)
     write_metrics(cfg.output.path, metrics)
     print(summary(metrics, cfg.output.path), file=sys.stderr)
     return metrics

@@ -7,19 +7,41 @@ prefix tree and run by the same runtime (batchllm/engine/runtime.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 
 from batchllm.engine.runtime import EngineSettings, Runtime
 from batchllm.rows.prompts import render_chats, tokenize
-from batchllm.rows.record import Row
+from batchllm.rows.record import Row, TokenLogprob
 from batchllm.sampling_params import SamplingParams
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput). index: the sample, 0..n-1;
+    logprobs: per generated token (token_id, logprob, top), when SamplingParams.logprobs > 0."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    cached_tokens: int
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, row: Row) -> CompletionOutput:
+        return cls(row.sample, row.completion, row.token_ids, row.finish_reason,
+                   row.cached_tokens, row.error, row.logprobs)
+
+
+@dataclass
 class RequestOutput:
-    """One prompt's result. finish_reason: stop, length or error (then `error` says why)."""
+    """One prompt's result. finish_reason: stop, length or error (then `error` says why).
+
+    The fields are the first sample's; `outputs` holds all SamplingParams.n samples in order
+    (outputs[0] is the first), as vLLM's RequestOutput.outputs does."""
 
     text: str | None
     token_ids: list[int]
@@ -27,11 +49,16 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @classmethod
-    def of(cls, row: Row) -> RequestOutput:
-        return cls(row.completion, row.token_ids, row.finish_reason, row.prompt_tokens,
-                   row.cached_tokens, row.error)
+    def of(cls, samples: list[Row]) -> RequestOutput:
+        """The output of one prompt from its sample records, in sample order."""
+        first = samples[0]
+        return cls(first.completion, first.token_ids, first.finish_reason, first.prompt_tokens,
+                   first.cached_tokens, first.error, first.logprobs,
+                   [CompletionOutput.of(r) for r in samples])
 
 
 class LLM:
@@ -75,5 +102,7 @@ class LLM:
         sp = sampling_params or SamplingParams()
         sps = [sp] * len(ids) if isinstance(sp, SamplingParams) else list(sp)
         rows = [Row(i, i, t, s) for i, (t, s) in enumerate(zip(ids, sps))]
-        self.last_metrics = self.runtime.run(rows, lambda row: None).to_dict()
-        return [RequestOutput.of(r) for r in rows]
+        samples: list[list[Row]] = [[] for _ in rows]  # every record comes back through on_row
+        self.last_metrics = self.runtime.run(
+            rows, lambda row: samples[row.index].append(row)).to_dict()
+        return [RequestOutput.of(sorted(got, key=lambda r: r.sample)) for got in samples]

@@ -20,11 +20,17 @@ class Progress:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self._last = 0.0
+        self._rows = 0.0  # rows done here, a sample of a row with n samples counting 1/n
+        self._shown = 0
 
     def row_done(self, row: Row) -> None:
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
-        self.bar.update(1)
+        self._rows += 1 / row.num_samples
+        whole = int(self._rows + 1e-6) - self._shown
+        if whole:
+            self._shown += whole
+            self.bar.update(whole)
 
     def step(self, stats: EngineStats) -> None:
         now = time.perf_counter()
