@@ -13,8 +13,9 @@ CONSTRAINTS = ("json_schema", "regex", "choice")  # structured output: one of th
 
 
 def canonical_json(value: Any) -> str:
-    """A JSON value as one canonical text (sorted keys): the cache key of a compiled schema."""
-    return json.dumps(value, sort_keys=True, ensure_ascii=False)
+    """A JSON value as one text: the cache key of a compiled schema. Keys keep their order:
+    a schema's property order is the order the fields are generated in."""
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _maybe_json(value: Any) -> Any:

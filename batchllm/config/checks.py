@@ -157,7 +157,7 @@ def json_schema(v: Any) -> str | None:
             raise Bad(f"{where} is not valid JSON: {e}") from None
     if not isinstance(v, (dict, bool)):
         raise Bad(f"expected a JSON schema (an object), got {show(v)}")
-    return json.dumps(v, sort_keys=True, ensure_ascii=False)
+    return json.dumps(v, ensure_ascii=False)  # key order kept: it is the generation order
 
 
 def choices(v: Any) -> tuple[str, ...] | None:

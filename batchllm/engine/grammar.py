@@ -136,4 +136,5 @@ class Grammars:
             shifts = torch.arange(32, dtype=torch.int32, device=logits.device)
             allowed = ((words[:, :, None] >> shifts) & 1).bool().reshape(len(rows), -1)[:, :v]
         idx = torch.tensor(rows, device=logits.device)
-        logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
+        with torch.inference_mode():  # the forward's logits are inference tensors
+            logits[idx] = logits[idx].masked_fill(~allowed, float("-inf"))
