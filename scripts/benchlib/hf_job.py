@@ -21,7 +21,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from baselines import hf_static  # noqa: E402 - the same static batching as the in-process bench
+from baselines import hf_static  # the same static batching as the in-process bench
 
 
 def main() -> None:

@@ -25,15 +25,15 @@ HEADER = (
     "anything about safety, injuries or legal threats to a human agent."
 )
 TEMPLATES = (
-    "Task: classify the customer ticket below into exactly one category: returns, shipping, "
-    "warranty, billing, product question, or escalate. Answer with the category name first, "
-    "then one sentence that says why.",
-    "Task: extract from the customer ticket below the order number (if any), the product, the "
-    "problem in a few words, and what the customer wants. Answer as four short lines.",
-    "Task: write a reply to the customer ticket below that follows our policies. Keep it under "
-    "four sentences and end with the next step the customer should take.",
-    "Task: rate the urgency of the customer ticket below from 1 (can wait a week) to 5 "
-    "(needs a human within the hour), and give the one fact that decided it.",
+    ("Task: classify the customer ticket below into exactly one category: returns, shipping, "
+     "warranty, billing, product question, or escalate. Answer with the category name first, "
+     "then one sentence that says why."),
+    ("Task: extract from the customer ticket below the order number (if any), the product, the "
+     "problem in a few words, and what the customer wants. Answer as four short lines."),
+    ("Task: write a reply to the customer ticket below that follows our policies. Keep it under "
+     "four sentences and end with the next step the customer should take."),
+    ("Task: rate the urgency of the customer ticket below from 1 (can wait a week) to 5 "
+     "(needs a human within the hour), and give the one fact that decided it."),
 )
 PRODUCTS = ("tent", "sleeping bag", "rain jacket", "hiking boots", "headlamp", "backpack",
             "camping stove", "trekking poles", "water filter", "GPS watch")
