@@ -15,16 +15,20 @@ from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, r
 
 from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
 from .batchllm_run import run_batchllm
+from .schema import load_schema
 from .workload import read_workload, workload_file
 
-SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing")
+# batchllm-json: prefix sharing on, every row constrained to --json-schema (only when given)
+SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing",
+            "batchllm-json")
 
 
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
     """Per setting: whether the command line skips it."""
     return {"hf-static": args.skip_hf or args.skip_hf_static,
             "hf-continuous": args.skip_hf or args.skip_hf_continuous,
-            "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm}
+            "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm,
+            "batchllm-json": args.skip_batchllm or args.json_schema is None}
 
 
 def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -63,14 +67,17 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
         if not skip["hf-continuous"] and has_continuous_batching(model):
             runs.append(("hf-continuous",
                          lambda: hf_continuous(model, prompts, max_tokens, pad_id, eos)))
-    if not args.skip_batchllm and wanted & {"batchllm-sharing", "batchllm-no-sharing"}:
-        for sharing in (True, False):
-            settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
-                        "prompt_tokens": prompt_tokens, "eos": args.eos,
-                        "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
-                                          "device": args.device, "dtype": "float32"}}
-            name = "batchllm-sharing" if sharing else "batchllm-no-sharing"
-            runs.append((name, lambda s=settings: run_batchllm(s)))
+    schema = load_schema(args.json_schema)
+    for name, sharing, constrained in (("batchllm-sharing", True, None),
+                                       ("batchllm-no-sharing", False, None),
+                                       ("batchllm-json", True, schema)):
+        if skip[name] or name not in wanted:
+            continue
+        settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
+                    "prompt_tokens": prompt_tokens, "eos": args.eos, "json_schema": constrained,
+                    "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
+                                      "device": args.device, "dtype": "float32"}}
+        runs.append((name, lambda s=settings: run_batchllm(s)))
 
     if args.only is not None:
         runs = [(name, fn) for name, fn in runs if name == args.only]
