@@ -106,8 +106,8 @@ class SamplingConfig(_Section):
     def _cross_checks(self) -> list[str]:
         given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
         if len(given) > 1:
-            return [f"sampling.{given[1]}: sampling.{given[0]} is set too; give at most one of "
-                    "json_schema, regex and choice"]
+            return [(f"sampling.{given[1]}: sampling.{given[0]} is set too; give at most one of "
+                    "json_schema, regex and choice")]
         return []
 
 

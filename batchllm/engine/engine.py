@@ -11,11 +11,11 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
 from batchllm.engine.runner import ModelRunner
-from batchllm.engine.grammar import Grammars
 from batchllm.engine.sampler import row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker

@@ -34,8 +34,8 @@ def _json_cost(results: list[dict]) -> list[str]:
     if not {"batchllm-json", "batchllm-sharing"} <= set(timed):
         return []
     ratio = timed["batchllm-json"]["output_tok_s"] / timed["batchllm-sharing"]["output_tok_s"]
-    return [f"structured output (JSON schema on every row): {ratio:.1%} of batchllm-sharing's "
-            f"output tok/s (cost {1 - ratio:+.1%})"]
+    return [(f"structured output (JSON schema on every row): {ratio:.1%} of batchllm-sharing's "
+            f"output tok/s (cost {1 - ratio:+.1%})")]
 
 
 def write_json(path: Path, data: dict) -> None:
