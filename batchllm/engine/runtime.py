@@ -93,7 +93,9 @@ class Runtime:
         the others, so that the plan is the same, but neither run nor handed out."""
         start = time.perf_counter()
         skip = skip if isinstance(skip, (set, frozenset)) else set(skip)
-        records = [r for row in rows for r in row.samples()]
+        records = rows  # n = 1 everywhere: the rows themselves
+        if any(r.sampling.n != 1 for r in rows):
+            records = [r for row in rows for r in row.samples()]
         self._check_grammars(records)
         planned = plan_rows(records, self.max_model_len, self.settings.prefix_sharing,
                             self.settings.order)
