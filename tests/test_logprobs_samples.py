@@ -90,7 +90,7 @@ def test_no_logprobs_unless_asked(llm: LLM) -> None:
 
 def test_n_samples_distinct_reproducible_batch_invariant_one_prefill(llm: LLM) -> None:
     ps = prompts(8)
-    sp = SamplingParams(max_tokens=10, temperature=0.8, seed=5, n=4, ignore_eos=True)
+    sp = SamplingParams(max_tokens=8, temperature=0.8, seed=5, n=4, ignore_eos=True)
     first = llm.generate(ps, sp)
     m4 = llm.last_metrics
     assert [len(o.outputs) for o in first] == [4] * 8
@@ -180,3 +180,26 @@ def test_sampling_fields_in_the_job_file(tmp_path) -> None:
                        ({"regex": "a", "choice": ["a"]}, "sampling.choice")]:
         with pytest.raises(ConfigError, match=where):
             sampling(**bad)
+
+
+def test_per_row_n_logprobs_and_choice_columns(tmp_path) -> None:
+    import pyarrow as pa
+
+    data = tmp_path / "in.parquet"
+    pq.write_table(pa.table({
+        "id": [10, 11, 12, 13],
+        "prompt": ["a b c", "d e f", "g h i", "j k l"],
+        "n": pa.array([1, 2, None, 3], pa.int64()),
+        "logprobs": pa.array([0, 3, None, 1], pa.int64()),
+        "choice": pa.array([None, ["up", "down"], None, None], pa.list_(pa.string())),
+    }), data)
+    job = tiny_job(tmp_path, "rows", "rows", [], {"max_tokens": 3},
+                   {"kv_cache_memory": "64MiB"})
+    run_job(str(job), progress=False)
+    lines = pq.read_table(tmp_path / "rows" / "out.parquet").to_pylist()
+    assert [(o["id"], o["sample"]) for o in lines] == [
+        (10, 0), (11, 0), (11, 1), (12, 0), (13, 0), (13, 1), (13, 2)]
+    assert [o["logprobs"] is None for o in lines] == [True, False, False, True, False, False,
+                                                       False]
+    assert all(o["completion"] in ("up", "down") for o in lines[1:3])
+    assert all(len(t["top"]) == 1 for o in lines[4:] for t in o["logprobs"])
