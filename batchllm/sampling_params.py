@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from dataclasses import dataclass, field
@@ -26,6 +27,23 @@ def _maybe_json(value: Any) -> Any:
         except ValueError:
             return value
     return value
+
+
+def _schema_text_problem(text: object) -> str | None:
+    if not isinstance(text, str):
+        return f"json_schema must be a JSON schema (an object), got {text!r:.80}"
+    return _schema_json_problem(text)
+
+
+@functools.lru_cache(maxsize=1024)  # a job's rows mostly share a few schemas
+def _schema_json_problem(text: str) -> str | None:
+    try:
+        schema = json.loads(text)
+    except ValueError as e:
+        return f"json_schema is not valid JSON ({e}): {text!r:.80}"
+    if not isinstance(schema, (dict, bool)):
+        return f"json_schema must be a JSON object, got {text!r:.80}"
+    return None
 
 
 @dataclass(frozen=True)
@@ -56,9 +74,9 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        schema = _maybe_json(self.json_schema)
-        if isinstance(schema, (dict, bool)):  # else left as it is, for problem() to name
-            object.__setattr__(self, "json_schema", canonical_json(schema))
+        if isinstance(self.json_schema, (dict, bool)):  # JSON text is kept as it is: parsing it
+            # for every row of a job would cost more than a second compile of a respelled schema
+            object.__setattr__(self, "json_schema", canonical_json(self.json_schema))
         choice = _maybe_json(self.choice)
         if isinstance(choice, list):
             object.__setattr__(self, "choice", tuple(choice))
@@ -109,15 +127,9 @@ class SamplingParams:
             return (f"{' and '.join(given)} are both set: a row takes at most one of "
                     f"json_schema, regex and choice")
         if self.json_schema is not None:
-            text = self.json_schema
-            if not isinstance(text, str):
-                return f"json_schema must be a JSON schema (an object), got {text!r:.80}"
-            try:
-                schema = json.loads(text)
-            except ValueError as e:
-                return f"json_schema is not valid JSON ({e}): {text!r:.80}"
-            if not isinstance(schema, (dict, bool)):
-                return f"json_schema must be a JSON object, got {text!r:.80}"
+            why = _schema_text_problem(self.json_schema)
+            if why:
+                return why
         if self.regex is not None and (not isinstance(self.regex, str) or not self.regex):
             return f"regex must be a non-empty string, got {self.regex!r:.80}"
         if self.choice is not None:
