@@ -6,6 +6,7 @@ lines and resume per sample (a tiny model)."""
 from __future__ import annotations
 
 import json
+import re
 from dataclasses import replace
 
 import numpy as np
@@ -31,6 +32,13 @@ FOLDER = tiny_model_folder("llama")
 @pytest.fixture(scope="module")
 def llm() -> LLM:
     return LLM(str(FOLDER), dtype="float32", device="cpu")
+
+
+@pytest.fixture(scope="module")
+def small_batches() -> LLM:
+    """The same model with steps of at most 3 sequences and 24 tokens, pages of 4."""
+    return LLM(str(FOLDER), dtype="float32", device="cpu", max_num_seqs=3,
+               max_batched_tokens=24, page_size=4)
 
 
 @pytest.fixture(scope="module")
@@ -88,7 +96,8 @@ def test_no_logprobs_unless_asked(llm: LLM) -> None:
     assert out.logprobs is None and len(out.outputs) == 1 and out.outputs[0].index == 0
 
 
-def test_n_samples_distinct_reproducible_batch_invariant_one_prefill(llm: LLM) -> None:
+def test_n_samples_distinct_reproducible_batch_invariant_one_prefill(
+        llm: LLM, small_batches: LLM) -> None:
     ps = prompts(8)
     sp = SamplingParams(max_tokens=8, temperature=0.8, seed=5, n=4, ignore_eos=True)
     first = llm.generate(ps, sp)
@@ -98,12 +107,20 @@ def test_n_samples_distinct_reproducible_batch_invariant_one_prefill(llm: LLM) -
     distinct = sum(len({tuple(c.token_ids) for c in o.outputs}) == 4 for o in first)
     assert distinct >= 6, f"only {distinct} of 8 rows have 4 different completions"
     assert tokens(llm.generate(ps, sp)) == tokens(first)
-    small = LLM(str(FOLDER), dtype="float32", device="cpu", max_num_seqs=3,
-                max_batched_tokens=24, page_size=4)
-    assert tokens(small.generate(ps, sp)) == tokens(first)
+    assert tokens(small_batches.generate(ps, sp)) == tokens(first)
     one = llm.generate(ps, replace(sp, n=1))
     assert m4["prefill_tokens"] == llm.last_metrics["prefill_tokens"] == m4["tree_tokens"]
     assert [o.token_ids for o in one] == [o.outputs[0].token_ids for o in first]  # sample 0
+
+
+def test_seeded_constrained_sampling_is_batch_invariant(llm: LLM, small_batches: LLM) -> None:
+    words = r"[a-z]{2,5}(, [a-z]{2,5}){0,2}"
+    sp = SamplingParams(max_tokens=16, temperature=0.9, seed=3, n=2, regex=words)
+    ps = prompts(6)
+    first = llm.generate(ps, sp)
+    assert tokens(small_batches.generate(ps, sp)) == tokens(first)
+    done = [c for o in first for c in o.outputs if c.finish_reason == "stop"]
+    assert done and all(re.fullmatch(words, c.text) for c in done)
 
 
 def test_job_output_lines_per_sample_and_resume_per_sample(tmp_path) -> None:
