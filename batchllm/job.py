@@ -20,7 +20,6 @@ import traceback
 
 from batchllm.config import ConfigError, JobConfig, load_job
 from batchllm.engine.metrics import RunMetrics
-from batchllm.engine.runtime import Runtime
 from batchllm.engine.scheduler import KVCacheTooSmall
 from batchllm.model.errors import ModelError
 from batchllm.progress import Progress, summary
@@ -249,6 +248,8 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
                bar: Progress) -> RunMetrics:
     """The single-process path: every row planned (so that a resumed run makes the same plan),
     the rows in `done` skipped."""
+    from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
+
     runtime = Runtime.from_config(cfg)
     rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
                       keep_prompt=cfg.output.include_prompt)

@@ -95,7 +95,7 @@ def test_two_runs_of_one_output_one_runs_the_other_exits_2(tmp_path):
                            f"(pid {winner.pid} on {socket.gethostname()}, started ")
     assert f"flock {out}.lock true" in line and f"kill {winner.pid}" in line
     assert "--set output.mode=resume" in line
-    assert refused_after < 30, refused_after  # seconds: imports, then the lock, no model load
+    assert refused_after < 10, refused_after  # seconds: the lock comes before torch is imported
     # kill -9 the holder: the next run starts at once (no stale lock) and finishes the job
     winner.send_signal(signal.SIGKILL)
     winner.wait()
