@@ -148,6 +148,9 @@ def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str
         pid = e.holder.pid if e.holder.pid is not None else "PID"
         raise JobCannotStart(f"{e}; wait for it to end (`flock {e.lock_path} true` returns when "
                              f"it does), or stop it (kill {pid}) and resume: {resume}") from None
+    except OSError as e:
+        raise JobCannotStart(f"output.path: cannot create the lock file {lock.path}: "
+                             f"{e.strerror or e}") from None
     if lock.local_only:
         print(f"batchllm: note: object storage has no locks; {cfg.output.path} is locked on "
               "this machine only", file=sys.stderr)
