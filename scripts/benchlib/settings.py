@@ -16,17 +16,19 @@ from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, r
 from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
 from .batchllm_run import run_batchllm
 from .schema import load_schema
+from .vllm_run import run_vllm
 from .workload import read_workload, workload_file
 
 # batchllm-json: prefix sharing on, every row constrained to --json-schema (only when given)
-SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing",
+SETTINGS = ("hf-static", "hf-continuous", "vllm", "batchllm-sharing", "batchllm-no-sharing",
             "batchllm-json")
 
 
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
-    """Per setting: whether the command line skips it."""
+    """Per setting: whether the command line skips it (vllm runs only with --vllm-python)."""
     return {"hf-static": args.skip_hf or args.skip_hf_static,
             "hf-continuous": args.skip_hf or args.skip_hf_continuous,
+            "vllm": args.vllm_python is None,
             "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm,
             "batchllm-json": args.skip_batchllm or args.json_schema is None}
 
@@ -67,6 +69,10 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
         if not skip["hf-continuous"] and has_continuous_batching(model):
             runs.append(("hf-continuous",
                          lambda: hf_continuous(model, prompts, max_tokens, pad_id, eos)))
+    if not skip["vllm"] and "vllm" in wanted:
+        job = {"model": str(folder), "prompts": prompts, "max_tokens": max_tokens,
+               "eos": args.eos}
+        runs.append(("vllm", lambda: run_vllm(args.vllm_python, job)))
     schema = load_schema(args.json_schema)
     for name, sharing, constrained in (("batchllm-sharing", True, None),
                                        ("batchllm-no-sharing", False, None),
