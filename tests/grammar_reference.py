@@ -11,6 +11,7 @@ import llguidance as llg
 import llguidance.hf
 import numpy as np
 import torch
+from transformers import LogitsProcessor, LogitsProcessorList
 from hf_reference import _eos_ids, hf_model
 
 from batchllm.engine.grammar import JSON_OPTIONS  # the separators batchllm documents
@@ -31,34 +32,54 @@ def _allowed(matcher, vocab: int) -> torch.Tensor:  # [V] bool
     return torch.from_numpy(np.unpackbits(bits, bitorder="little")[:vocab].astype(bool))
 
 
+class _Mask(LogitsProcessor):
+    """transformers' logits processor: feeds the last generated token to the matcher, masks the
+    next step's logits to what it allows, and records the masked top-two gap."""
+
+    def __init__(self, matcher, prompt_len: int, vocab: int) -> None:
+        self.matcher, self.prompt_len, self.vocab, self.gaps = matcher, prompt_len, vocab, []
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        if input_ids.shape[1] > self.prompt_len:
+            assert self.matcher.consume_token(int(input_ids[0, -1]))
+        allowed = _allowed(self.matcher, self.vocab)
+        scores = scores.float().masked_fill(~allowed[: scores.shape[1]], float("-inf"))
+        top = scores[0].topk(2).values
+        self.gaps.append(float(top[0] - top[1]))
+        return scores
+
+
 @torch.no_grad()
 def hf_constrained_greedy(folder: Path, prompt: list[int], kind: str, spec,
                           max_tokens: int) -> tuple[list[int], list[float]]:
-    """Greedy tokens of transformers' model on one prompt, each step's logits masked by a fresh
-    llguidance matcher of the constraint; stops at an end-of-sequence token, when the grammar
-    is complete, or at max_tokens. Returns (tokens, top-two gap of the masked logits per step)."""
+    """Greedy tokens of transformers `generate` on one prompt, each step's logits masked by a
+    fresh llguidance matcher of the constraint; stops at an end-of-sequence token, when the
+    grammar is complete, or at max_tokens. Returns (tokens, top-two gap of the masked logits per
+    step)."""
     model = hf_model(Path(folder))
     vocab = model.config.vocab_size
     eos = list(_eos_ids(Path(folder)))
     tokenizer = llguidance.hf.from_tokenizer(load_tokenizer(folder), n_vocab=vocab,
                                              eos_token=eos)
-    matcher = llg.LLMatcher(tokenizer, reference_grammar(kind, spec), log_level=0)
+    grammar = reference_grammar(kind, spec)
+    matcher = llg.LLMatcher(tokenizer, grammar, log_level=0)
     assert not matcher.is_error(), matcher.get_error()
+    mask = _Mask(matcher, len(prompt), vocab)
     ids = torch.tensor([prompt])
-    past, tokens, gaps = None, [], []
-    while len(tokens) < max_tokens:
-        out = model(ids, past_key_values=past, use_cache=True)
-        past = out.past_key_values
-        logits = out.logits[0, -1].float().masked_fill(~_allowed(matcher, vocab), float("-inf"))
-        top = logits.topk(2).values
-        gaps.append(float(top[0] - top[1]))
-        tok = int(logits.argmax())
+    # one step more than max_tokens: a grammar complete at the last token is followed by EOS
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                         max_new_tokens=max_tokens + 1, eos_token_id=eos, pad_token_id=eos[0],
+                         logits_processor=LogitsProcessorList([mask]))
+    replay = llg.LLMatcher(tokenizer, grammar, log_level=0)  # where did the grammar end?
+    tokens = []
+    for tok in out[0, len(prompt):].tolist()[:max_tokens]:
         tokens.append(tok)
-        assert matcher.consume_token(tok)
-        if tok in eos or matcher.is_stopped():
+        if tok in eos:
             break
-        ids = torch.tensor([[tok]])
-    return tokens, gaps
+        assert replay.consume_token(tok)
+        if replay.is_stopped():
+            break
+    return tokens, mask.gaps[: len(tokens)]
 
 
 @torch.no_grad()
