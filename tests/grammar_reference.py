@@ -11,8 +11,8 @@ import llguidance as llg
 import llguidance.hf
 import numpy as np
 import torch
-from transformers import LogitsProcessor, LogitsProcessorList
 from hf_reference import _eos_ids, hf_model
+from transformers import LogitsProcessor, LogitsProcessorList
 
 from batchllm.engine.grammar import JSON_OPTIONS  # the separators batchllm documents
 from batchllm.model.weights import load_tokenizer
