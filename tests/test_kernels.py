@@ -8,46 +8,11 @@ float32 and bfloat16. The expected values are the twins run in float32 on the sa
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from triton_interpreter import CUDA, load
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
-
-def _interpret_triton_library() -> None:
-    """Triton makes its own @jit library functions (tl.zeros, tl.max, tl.sum ...) at import; if
-    something imported triton before TRITON_INTERPRET=1 was set (transformers does, from
-    tests/conftest.py), remake them for the interpreter."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(tl.zeros, InterpretedFunction):
-        return
-    standard = importlib.reload(sys.modules["triton.language.standard"])
-    for name, value in vars(standard).items():
-        if isinstance(value, InterpretedFunction) and hasattr(tl, name):
-            setattr(tl, name, value)
-
-
-def _load(name: str):
-    """The launcher module, re-executed if it was imported before the interpreter was on (its
-    @triton.jit functions are made at import)."""
-    if not CUDA and name in sys.modules:
-        return importlib.reload(sys.modules[name])
-    return importlib.import_module(name)
-
-
-if not CUDA:
-    _interpret_triton_library()
-_load("kernels.triton.tiles")  # first: the jitted pieces the two attention kernels import
-_checks, _store, _paged, _prefix, _merge = (_load(f"kernels.triton.{n}") for n in (
+_checks, _store, _paged, _prefix, _merge = (load(f"kernels.triton.{n}") for n in (
     "checks", "store_kv", "paged_attention", "prefix_attention", "merge_states"))
 from kernels.reference.merge_states import merge_states_ref
 from kernels.reference.paged_attention import paged_attention_ref

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 
 from batchllm.model.errors import ModelError
-from batchllm.model.llama import LlamaModel
+from batchllm.model.decoder import DecoderModel
 from batchllm.model.weights import (
     eos_token_ids,
     load_tokenizer,
@@ -20,7 +20,7 @@ from batchllm.model.weights import (
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: object  # a transformers fast tokenizer
     eos_ids: set[int]
     folder: Path
@@ -53,6 +53,6 @@ def load_model(
     config, state = load_weights(folder, dt, dev)
     limit = model_len_limit(config, max_model_len)
     tokenizer = load_tokenizer(folder)
-    model = LlamaModel(config, state, limit)
+    model = DecoderModel(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit)
