@@ -33,7 +33,7 @@ _TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
 def rope_parameters(config: PretrainedConfig) -> dict[str, dict]:
     """{layer kind: its rope parameters}; kind "" when one set serves every layer."""
-    params = config.rope_parameters or {}
+    params = getattr(config, "rope_parameters", None) or {}
     types = set(getattr(config, "layer_types", None) or ())
     if types and types <= set(params):
         return {kind: params[kind] for kind in sorted(types)}

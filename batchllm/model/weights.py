@@ -23,6 +23,7 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from batchllm.model.errors import ModelError, ModelNotFoundError
+from batchllm.model.families import describe
 from batchllm.model.rotary import position_limit
 
 # alias -> (pip package, module holding the GGUF file, GGUF file name)
@@ -240,6 +241,9 @@ def eos_token_ids(
 
 def job_model(path: str, requested_len: int | None) -> tuple[PreTrainedTokenizerBase, int]:
     """What planning a job needs of its model without loading the weights: the tokenizer and
-    the length limit (model_len_limit)."""
+    the length limit (model_len_limit). An unsupported family fails here, before any row is
+    tokenized."""
     folder = resolve_model(path)
-    return load_tokenizer(folder), model_len_limit(load_config(folder), requested_len)
+    config = load_config(folder)
+    describe(config)
+    return load_tokenizer(folder), model_len_limit(config, requested_len)
