@@ -68,7 +68,7 @@ IMPLS = {"torch": paged_attention_ref, "c-decode": c_kernels(True, False),
 
 @pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("window, softcap", OPTIONS)
-@pytest.mark.parametrize("gqa, d", [(1, 64), (3, 128)])
+@pytest.mark.parametrize("gqa, d", [(3, 64)])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_paged_attention_window_and_softcap(page_size, gqa, d, window, softcap, impl):
     ks, vs, qs, (k_cache, v_cache, table, cu_q, ctx, start) = step_case(

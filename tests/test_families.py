@@ -9,6 +9,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from hf_reference import (
     FAMILY_KINDS,
     WINDOWED_KINDS,
@@ -19,7 +20,9 @@ from hf_reference import (
 from test_engine_equivalence import MAX_TOKENS, nested_prompts
 
 from batchllm import LLM, SamplingParams
+from batchllm.model.decoder import model_shape
 from batchllm.model.loader import load_model
+from batchllm.model.weights import load_config
 
 NEW_KINDS = [k for k in FAMILY_KINDS if k not in ("llama", "qwen2", "mistral")]  # those three:
 # tests/test_engine_equivalence.py
@@ -52,14 +55,16 @@ def test_family_matches_transformers(kind: str) -> None:
             assert m["prefill_tokens"] == m["tree_tokens"] < m["prompt_tokens"]
         else:
             assert m["prefill_tokens"] == m["prompt_tokens"]
-    for sharing, page_size in [(True, 16), (False, 1)]:  # a pool too small for the working set
-        longest = max(map(len, nested_prompts())) + MAX_TOKENS
-        pages = -(-longest // page_size) + 2
-        per_token = load_model(str(tiny_model_folder(kind)), "float32", "cpu").model.shape
-        m = generate(kind, prefix_sharing=sharing, page_size=page_size, max_batched_tokens=32,
-                     kv_cache_memory=pages * page_size * per_token.kv_bytes_per_token(
-                         __import__("torch").float32))
-        assert m["kv_pages_total"] == pages and m["preemptions"] > 0
+    # A pool too small for the working set (the full grid of preemption runs, sharing x page
+    # size, is test_engine_equivalence.py's; here sharing alternates between the families).
+    sharing = NEW_KINDS.index(kind) % 2 == 0
+    longest = max(map(len, nested_prompts())) + MAX_TOKENS
+    pages = -(-longest // 16) + 2
+    per_token = model_shape(load_config(tiny_model_folder(kind))).kv_bytes_per_token(
+        torch.float32)
+    m = generate(kind, prefix_sharing=sharing, max_batched_tokens=48,
+                 kv_cache_memory=pages * 16 * per_token)
+    assert m["kv_pages_total"] == pages and m["preemptions"] > 0
 
 
 @pytest.mark.parametrize("kind", WINDOWED_KINDS)

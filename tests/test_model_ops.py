@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
-from batchllm.model.errors import ModelError
 from batchllm.model.decoder import model_shape
+from batchllm.model.errors import ModelError
 from batchllm.model.ops import pick_ops
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import decode as cpu_decode

@@ -55,5 +55,6 @@ class Tensors:
         owners = {}
         for path in self._files():
             with safe_open(path, "pt") as f:
-                owners.update({n: path.name for n in f.keys() if n in names})
+                held = set(f.keys())  # a safetensors file is not a dict: no `in f`
+            owners.update({n: path.name for n in names if n in held})
         return owners

@@ -71,7 +71,7 @@ class GroupedExperts:
 
     def __call__(self, x: torch.Tensor, routing: Routing, act_mul: Callable) -> torch.Tensor:
         """x [T, H] -> [T, H]: each token's experts' outputs, weighted and summed."""
-        t, k = routing.experts.shape
+        k = routing.experts.shape[1]
         order, offsets = group_by_expert(routing.experts, self.num_experts)
         self.last_offsets = offsets
         tokens = order // k  # [T*k], the token of each sorted pair

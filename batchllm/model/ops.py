@@ -1,6 +1,6 @@
 """Every op the forward pass runs, picked once per (device, dtype, head shape): one frozen record
-that the attention (attention.py), the layers (llama.py) and the projections (linear.py) take,
-so that no other file chooses a backend.
+that the attention (attention.py), the layers (layers.py, experts.py, decoder.py) and the
+projections (linear.py) take, so that no other file chooses a backend.
 
   CUDA                 the Triton kernels (kernels/triton/), torch's pointwise ops, F.linear
   the CPU, float32     the C kernels (kernels/cpu/), each where it builds and serves the shape,

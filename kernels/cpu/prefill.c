@@ -37,9 +37,10 @@ typedef struct {
     float *q, *o, *s, *kt, *v, *m, *l;
 } Buffers;
 
-/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0+15 */
-static inline void score_tile(const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0,
-                              float *s) {
+/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0+15 (both tiles always inlined:
+ * with attend_block's two copies in run(), the compiler would otherwise call them per tile) */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0, float *s) {
 #ifdef __AVX2__
     __m256 c[RT][2];
     for (int i = 0; i < RT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
@@ -67,8 +68,8 @@ static inline void score_tile(const float *q, const float *kt, int64_t D, int64_
 }
 
 /* o[r][d0 .. d0+15] += sum_t p[r][t] v[t][d0 .. d0+15] for rows r0 .. r0+5, t < nk */
-static inline void value_tile(const float *p, const float *v, int64_t D, int64_t nk, int64_t r0,
-                              int64_t d0, float *o) {
+static inline __attribute__((always_inline)) void value_tile(
+    const float *p, const float *v, int64_t D, int64_t nk, int64_t r0, int64_t d0, float *o) {
 #ifdef __AVX2__
     __m256 a[RT][2];
     for (int i = 0; i < RT; i++)

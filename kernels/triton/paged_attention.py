@@ -68,7 +68,8 @@ def _paged_attention_kernel(
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, page_table_ptr + b * stride_table, kv_lo, kv_hi,
         kvh, q_pos, qk_scale, stride_slot, stride_kvh,
-        True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, WINDOW, SOFTCAP,
+        True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        WINDOW=WINDOW, SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr, lse_ptr, acc, m_i, l_i, rows, heads, row_ok,
                stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)

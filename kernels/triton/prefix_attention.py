@@ -64,7 +64,7 @@ def _prefix_attention_kernel(
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
         kvh, rows, qk_scale, stride_slot, stride_kvh,
-        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, 0, SOFTCAP,
+        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
