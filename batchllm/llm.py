@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchllm.engine.runtime import Runtime
+from batchllm.engine.runtime import EngineSettings, Runtime
 from batchllm.rows.prompts import render_chats, tokenize
 from batchllm.rows.record import Row
 from batchllm.sampling_params import SamplingParams
@@ -37,25 +37,12 @@ class RequestOutput:
 class LLM:
     """The engine without a job file: a model loaded once, any number of generate calls."""
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m-instruct",
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        kv_cache_memory: float = 0.9,
-        max_num_seqs: int = 256,
-        max_batched_tokens: int = 8192,
-        prefix_sharing: bool = True,
-        order: str = "prefix-tree",
-    ) -> None:
-        """kv_cache_memory: a fraction of free memory, or a size in bytes."""
-        self.runtime = Runtime.build(
-            model, dtype=dtype, device=device, max_model_len=max_model_len,
-            page_size=page_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens, prefix_sharing=prefix_sharing, order=order)
+    def __init__(self, model: str = "smollm2-135m-instruct", **settings) -> None:
+        """model: a built-in alias or a Hugging Face folder. settings: the fields of
+        batchllm.engine.runtime.EngineSettings as keywords: dtype, device, max_model_len,
+        page_size, kv_cache_memory (a fraction of free memory, or a size in bytes),
+        max_num_seqs, max_batched_tokens, prefix_sharing, order."""
+        self.runtime = Runtime.build(model, EngineSettings(**settings))
         self.tokenizer = self.runtime.tokenizer
         self.max_model_len = self.runtime.max_model_len
         self.last_metrics: dict = {}  # the metrics of the last generate or chat call
