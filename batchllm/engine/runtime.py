@@ -115,6 +115,7 @@ class Runtime:
             kv_bytes_per_token=stats.kv_bytes_per_token,
             page_size=self.engine.page_size,
             preemptions=stats.preemptions,
+            prefix_evictions=stats.prefix_evictions,
             steps=stats.steps,
             device=str(model.device),
             dtype=str(model.model.dtype).removeprefix("torch."),
