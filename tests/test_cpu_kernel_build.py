@@ -73,3 +73,12 @@ def test_switched_off(fresh_load, monkeypatch):
     monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
     assert all(load() is None for load in LOADERS)
     assert cache().ops.gathers_decodes and cache().ops.gathers_chunks
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_loading_the_kernels_leaves_subnormal_floats_alone():
+    """Built with -ffast-math, the kernels are linked without it: no flush-to-zero switched on
+    for the whole process when they load."""
+    assert all(load() is not None for load in LOADERS)
+    tiny = torch.tensor(1e-39, dtype=torch.float32)  # a subnormal float32
+    assert float(tiny * 1.0) > 0

@@ -1,10 +1,13 @@
 """Builds and loads the C kernels of the CPU path (the .c files beside this one): with the system
 C compiler on first use, cached, called through ctypes.
 
-Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
-~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the source and the headers beside it,
-the flags, the compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib,
-already loaded), so torch's thread count applies. Without a compiler, or with
+Built with `$CC` (default `cc`) -O3 -march=native -ffast-math -fopenmp into
+$BATCHLLM_CACHE/kernels (default ~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the
+source and the headers beside it, the flags, the compiler and the CPU. Compiled, then linked
+without -ffast-math: linking with it adds crtfastmath.o, whose constructor turns on flush-to-zero
+for the whole process when the library loads (torch's and the user's arithmetic too; hypothesis
+then refuses to run). OpenMP is torch's own runtime (libgomp from torch/lib, already loaded), so
+torch's thread count applies. Without a compiler, or with
 BATCHLLM_CPU_KERNEL=0 (`enabled()` false), `load_library` returns None (a warning says why, once
 per library) and the torch twins run.
 """
@@ -24,7 +27,8 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC")
+_LINK = ("-shared",)  # no -ffast-math here: see the module docstring
 
 
 def _torch_omp() -> Path | None:
@@ -44,11 +48,12 @@ def _cpu_id() -> str:
 def _build(name: str, compiler: str) -> Path:
     source = _HERE / f"{name}.c"
     omp = _torch_omp()
-    flags = list(_FLAGS) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
+    flags = list(_FLAGS) + (["-fopenmp"] if omp else [])
+    link = list(_LINK) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
     texts = [p.read_text() for p in [source, *sorted(_HERE.glob("*.h"))]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
+    key = hashlib.sha256("\0".join([*texts, *flags, *link, version, platform.machine(),
                                     _cpu_id()]).encode()).hexdigest()[:16]
     env = os.environ.get("BATCHLLM_CACHE")
     folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "kernels"
@@ -60,13 +65,17 @@ def _build(name: str, compiler: str) -> Path:
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
+        obj = tmp[:-3] + ".o"
         try:
-            subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True,
+            subprocess.run([compiler, *flags, "-c", str(source), "-o", obj], check=True,
                            capture_output=True, text=True)
+            subprocess.run([compiler, obj, *link, "-o", tmp], check=True, capture_output=True,
+                           text=True)
             os.replace(tmp, target)  # atomic: another process may build the same key
         finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+            for path in (tmp, obj):
+                if os.path.exists(path):
+                    os.unlink(path)
     return target
 
 
