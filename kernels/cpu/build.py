@@ -1,13 +1,10 @@
 """Builds and loads the C kernels of the CPU path (the .c files beside this one): with the system
 C compiler on first use, cached, called through ctypes.
 
-Built with `$CC` (default `cc`) -O3 -march=native -ffast-math -fopenmp into
-$BATCHLLM_CACHE/kernels (default ~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the
-source and the headers beside it, the flags, the compiler and the CPU. Compiled, then linked
-without -ffast-math: linking with it adds crtfastmath.o, whose constructor turns on flush-to-zero
-for the whole process when the library loads (torch's and the user's arithmetic too; hypothesis
-then refuses to run). OpenMP is torch's own runtime (libgomp from torch/lib, already loaded), so
-torch's thread count applies. Without a compiler, or with
+Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
+~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the source and the headers beside it,
+the flags, the compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib,
+already loaded), so torch's thread count applies. Without a compiler, or with
 BATCHLLM_CPU_KERNEL=0 (`enabled()` false), `load_library` returns None (a warning says why, once
 per library) and the torch twins run.
 """
@@ -28,7 +25,11 @@ import torch
 
 _HERE = Path(__file__).parent
 _FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC")
-_LINK = ("-shared",)  # no -ffast-math here: see the module docstring
+# Compiled and linked in two steps: -ffast-math at link time adds crtfastmath.o to a shared
+# library too (GCC < 13), whose constructor sets flush-to-zero and denormals-are-zero for the
+# whole process when the library loads, so every float op of torch and numpy in it flushed
+# subnormals to zero (seen: hypothesis refusing to draw floats after a model had loaded).
+_LINK = ("-shared",)
 
 
 def _torch_omp() -> Path | None:
@@ -48,8 +49,9 @@ def _cpu_id() -> str:
 def _build(name: str, compiler: str) -> Path:
     source = _HERE / f"{name}.c"
     omp = _torch_omp()
-    flags = list(_FLAGS) + (["-fopenmp"] if omp else [])
-    link = list(_LINK) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
+    openmp = ["-fopenmp"] if omp else []
+    flags = [*_FLAGS, *openmp]
+    link = [*_LINK, *openmp, *([f"-Wl,-rpath,{omp}"] if omp else [])]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
     texts = [p.read_text() for p in [source, *sorted(_HERE.glob("*.h"))]]
@@ -65,17 +67,20 @@ def _build(name: str, compiler: str) -> Path:
     if not target.exists():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
-        obj = tmp[:-3] + ".o"
         try:
-            subprocess.run([compiler, *flags, "-c", str(source), "-o", obj], check=True,
-                           capture_output=True, text=True)
-            subprocess.run([compiler, obj, *link, "-o", tmp], check=True, capture_output=True,
-                           text=True)
+            obj = tmp + ".o"
+            try:
+                subprocess.run([compiler, *flags, "-c", str(source), "-o", obj], check=True,
+                               capture_output=True, text=True)
+                subprocess.run([compiler, obj, *link, "-o", tmp], check=True,
+                               capture_output=True, text=True)
+            finally:
+                if os.path.exists(obj):
+                    os.remove(obj)
             os.replace(tmp, target)  # atomic: another process may build the same key
         finally:
-            for path in (tmp, obj):
-                if os.path.exists(path):
-                    os.unlink(path)
+            if os.path.exists(tmp):
+                os.unlink(tmp)
     return target
 
 
