@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
+from batchllm.model.decoder import model_shape
 from batchllm.model.errors import ModelError
-from batchllm.model.llama import model_shape
 from batchllm.model.ops import pick_ops
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import decode as cpu_decode
@@ -80,6 +80,8 @@ def test_cuda_runs_the_triton_kernels():
 
 def test_an_unsupported_model_type_is_a_model_error():
     with pytest.raises(ModelError, match="model.path: model type 'gpt2' is not supported; "
-                                         "supported: llama, mistral, qwen2"):
+                                         "supported: llama, mistral, qwen2, qwen3, gemma2, "
+                                         "gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, "
+                                         "olmoe"):
         model_shape(GPT2Config())
     assert model_shape(LlamaConfig(num_attention_heads=4, hidden_size=64)).head_dim == 16

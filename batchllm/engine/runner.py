@@ -15,7 +15,7 @@ import torch
 
 from batchllm.engine.request import Sequence
 from batchllm.model.attention import PagedAttention, StepMetadata
-from batchllm.model.llama import LlamaModel
+from batchllm.model.decoder import DecoderModel
 
 
 class StepOutput(NamedTuple):
@@ -44,7 +44,7 @@ def _cascade_order(seqs: list[Sequence]) -> tuple[list[int], list[tuple[list[int
 
 class ModelRunner:
     def __init__(
-        self, model: LlamaModel, attention: PagedAttention, page_size: int, cascade: bool
+        self, model: DecoderModel, attention: PagedAttention, page_size: int, cascade: bool
     ) -> None:
         self.model = model
         self.attention = attention

@@ -1,6 +1,6 @@
 """Every op the forward pass runs, picked once per (device, dtype, head shape): one frozen record
-that the attention (attention.py), the layers (llama.py) and the projections (linear.py) take,
-so that no other file chooses a backend.
+that the attention (attention.py), the layers (layers.py, experts.py, decoder.py) and the
+projections (linear.py) take, so that no other file chooses a backend.
 
   CUDA                 the Triton kernels (kernels/triton/), torch's pointwise ops, F.linear
   the CPU, float32     the C kernels (kernels/cpu/), each where it builds and serves the shape,
@@ -61,8 +61,12 @@ class ModelOps:
     indexes_steps: bool  # paged_attention takes a StepIndex (step=), built once per step
     gathers_decodes: bool  # that index holds gather rows for the one-query sequences
     gathers_chunks: bool  # and for the prefill chunks
-    pointwise: PointwiseOps  # add_rms_norm, rope_, silu_mul
+    pointwise: PointwiseOps  # add_rms_norm, rope_, silu_mul, gelu_tanh_mul
     projection: Projection
+    # (x [N, K] rows sorted by expert, w [E, M, K], offsets [E+1] int32) -> [N, M]: each
+    # expert's rows times its weight in one launch (MoE, model/experts.py); None: one
+    # projection per expert in the `projection` layout
+    grouped_matmul: Callable | None = None
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> ModelOps:
@@ -76,7 +80,13 @@ def pick_ops(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim:
 def _triton_ops() -> ModelOps:
     """The CUDA path: the Triton kernels (imported here only, so the CPU path needs no triton;
     without it this raises ImportError saying so)."""
-    from kernels.triton import merge_states, paged_attention, prefix_attention, store_kv
+    from kernels.triton import (
+        grouped_matmul,
+        merge_states,
+        paged_attention,
+        prefix_attention,
+        store_kv,
+    )
 
     return ModelOps(
         store_kv=store_kv.store_kv,
@@ -94,6 +104,8 @@ def _triton_ops() -> ModelOps:
         pointwise=TORCH_OPS,
         # cuBLAS behind F.linear: no layout of ours on CUDA.
         projection="dense",
+        # Experts: one grouped launch per weight, no host sync for the experts' row counts.
+        grouped_matmul=grouped_matmul.grouped_matmul,
     )
 
 

@@ -38,7 +38,7 @@ def _paged_attention_kernel(
     stride_table, stride_slot, stride_kvh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -53,6 +53,8 @@ def _paged_attention_kernel(
     ctx = tl.load(context_lens_ptr + b)
     kv_lo = tl.load(kv_start_ptr + b)
     kv_hi = tl.minimum(ctx, ctx - q_len + first + TILE_Q)  # past the tile's last query position
+    if WINDOW > 0:  # nothing before the tile's first query's window
+        kv_lo = tl.maximum(kv_lo, ctx - q_len + first - WINDOW + 1)
 
     offs_m = tl.arange(0, BLOCK_M)
     tok = offs_m // GROUP
@@ -67,6 +69,7 @@ def _paged_attention_kernel(
         q, k_cache_ptr, v_cache_ptr, page_table_ptr + b * stride_table, kv_lo, kv_hi,
         kvh, q_pos, qk_scale, stride_slot, stride_kvh,
         True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        WINDOW=WINDOW, SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr, lse_ptr, acc, m_i, l_i, rows, heads, row_ok,
                stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -81,11 +84,15 @@ def paged_attention(
     context_lens: torch.Tensor,  # [B] int32, tokens in the cache after this step
     kv_start: torch.Tensor,  # [B] int32, first key position of this part
     scale: float,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
     The query at position p of sequence b (its queries hold the last q_len positions before
-    context_lens[b]) sees keys kv_start[b] <= j <= p; query head h reads KV head h // (Hq/Hkv).
+    context_lens[b]) sees keys kv_start[b] <= j <= p (and j > p - window when window > 0);
+    softcap > 0: scores s -> softcap * tanh(s / softcap); query head h reads KV head h // (Hq/Hkv).
     An empty key range gives o = 0 and lse = -inf. cu_q must start at 0 and end at T (not
     checked: that would need a device sync); rows outside it are left unwritten.
     """
@@ -112,7 +119,8 @@ def paged_attention(
         q.stride(0), q.stride(1), o.stride(0), o.stride(1), lse.stride(0), lse.stride(1),
         page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-        BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), **launch_options(q.dtype),
+        BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), WINDOW=int(window), SOFTCAP=float(softcap),
+        **launch_options(q.dtype),
     )
     return o, lse
 

@@ -37,7 +37,7 @@ def _prefix_attention_kernel(
     stride_table, stride_slot, stride_kvh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -64,7 +64,7 @@ def _prefix_attention_kernel(
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
         kvh, rows, qk_scale, stride_slot, stride_kvh,
-        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION,
+        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -119,13 +119,17 @@ def prefix_attention(
     prefix_lens: torch.Tensor,  # [G] int32
     cu_q: torch.Tensor,  # [G+1] int32, query rows of group g: cu_q[g]:cu_q[g+1]
     scale: float,
+    *,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
-    """Each group's queries against all prefix_lens[g] keys of its pages, no mask.
+    """Each group's queries against all prefix_lens[g] keys of its pages, no mask; softcap > 0:
+    scores s -> softcap * tanh(s / softcap).
 
     A group with an empty prefix gives o = 0 and lse = -inf. cu_q must start at 0 and end at T
     (not checked: that would need a device sync); rows outside it are left unspecified.
     """
-    return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale)
+    return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale,
+                                  softcap=softcap)
 
 
 def prefix_attention_split(
@@ -137,6 +141,7 @@ def prefix_attention_split(
     cu_q: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_attention` with the number of key splits chosen by the caller (tests, benchmarks);
     None: enough splits to give the GPU about two programs per SM."""
@@ -178,7 +183,7 @@ def prefix_attention_split(
         stride_ls, lse_part.stride(-2), lse_part.stride(-1),
         prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
         GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-        BLOCK_M=block_m, BLOCK_D=block_d, **options,
+        BLOCK_M=block_m, BLOCK_D=block_d, SOFTCAP=float(softcap), **options,
     )
     if num_splits > 1:
         block_h = min(16, pow2(hq))

@@ -5,7 +5,9 @@ A program attends one tile: TILE_Q query tokens times the GROUP query heads that
 head, BLOCK_M rows in all, so a decode under grouped-query attention is still a matrix product.
 `find_seq` finds a tile's sequence (or group) without a host sync, `attend_pages` runs the
 online softmax over its keys block by block through a page table, `store_tile` normalises and
-writes (o, lse).
+writes (o, lse). The options of kernels/reference/attend.py live in `attend_pages` as
+constexprs: WINDOW > 0 masks keys before p - WINDOW + 1, SOFTCAP > 0 caps the scores; at 0 (the
+Llama path) they compile away.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import triton.language as tl
 from kernels.triton.checks import pow2
 
 LOG2E = math.log2(math.e)
+_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the jitted functions
 
 
 @triton.jit
@@ -45,10 +48,12 @@ def attend_pages(
     stride_slot, stride_kvh,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
-    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0."""
+    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0. WINDOW > 0
+    (CAUSAL): a query sees the keys after q_pos - WINDOW only; SOFTCAP > 0: natural-unit scores
+    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask."""
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -65,9 +70,13 @@ def attend_pages(
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP * _LOG2E)  # log2 units: capped at SOFTCAP * log2(e)
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
@@ -77,6 +86,14 @@ def attend_pages(
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), with tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * _LOG2E / cap))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
 
 
 @triton.jit
