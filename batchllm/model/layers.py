@@ -51,8 +51,8 @@ class Attention:
         parts = [_permute_heads(w, h, perm) for w, h in zip(parts, rotated)] + parts[2:]
         if biases is not None:
             biases = [_permute_heads(b, h, perm) for b, h in zip(biases, rotated)] + biases[2:]
-        self.qkv = Linear(torch.cat(parts), None if biases is None else torch.cat(biases),
-                          layout)  # [(Hq+2Hkv)*D, H]
+        self.qkv = Linear(parts, None if biases is None else torch.cat(biases),
+                          layout)  # [(Hq+2Hkv)*D, H], joined by Linear only where it must
         self.o = Linear(t.take(att + "o_proj.weight"),
                         t.take(att + "o_proj.bias") if f.o_bias else None, layout)  # [H, Hq*D]
         self.q_norm = self.k_norm = None
@@ -105,8 +105,7 @@ class Mlp:
         if f.fused_gate_up:
             gate_up = t.take(prefix + "gate_up_proj.weight")
         else:
-            gate_up = torch.cat(t.take_all([prefix + "gate_proj.weight",
-                                            prefix + "up_proj.weight"]))
+            gate_up = t.take_all([prefix + "gate_proj.weight", prefix + "up_proj.weight"])
         bias = None
         if f.mlp_bias:
             bias = torch.cat(t.take_all([prefix + "gate_proj.bias", prefix + "up_proj.bias"]))

@@ -19,33 +19,54 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from batchllm.model import panel_cache
 from batchllm.model.ops import Projection
 from kernels.cpu import linear as cpu_linear
 
 _ROWS_HINT = 64  # the batch size oneDNN picks its weight layout for: a decode step's rows
 
 
-class Linear:
-    """A projection: [T, K] -> [T, N]. The dense weight is not kept where it is laid out anew."""
+Weight = torch.Tensor | list[torch.Tensor]  # [N, K], or its row blocks [N_i, K] in order
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None,
+
+def _panels(weight: Weight, bias: torch.Tensor | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The kernel's layout of (weight, bias): from the model's panel file while a model is
+    built through one (panel_cache.serving), else packed here."""
+    store = panel_cache.active()
+    if store is not None:
+        return store.take(weight, bias)
+    return cpu_linear.pack_panels(weight), cpu_linear.pack_bias(bias, cpu_linear.rows(weight))
+
+
+class Linear:
+    """A projection: [T, K] -> [T, N]. The dense weight is not kept where it is laid out anew.
+
+    The weight may come as its row blocks (q, k, v; gate, up): they are joined only where the
+    layout needs the dense weight, so that a model whose panels come from the panel file never
+    reads them (the blocks are the checkpoint's mapped tensors)."""
+
+    def __init__(self, weight: Weight, bias: torch.Tensor | None,
                  layout: Projection) -> None:
-        # weight [N, K], bias [N] or None
-        if layout != "dense" and (weight.device.type != "cpu" or weight.dtype != torch.float32):
+        # weight [N, K] (or row blocks), bias [N] or None
+        parts = weight if isinstance(weight, list) else [weight]
+        first = parts[0]
+        if layout != "dense" and (first.device.type != "cpu" or first.dtype != torch.float32):
             raise ValueError(f"Linear: the {layout!r} layout takes a float32 weight on the CPU, "
-                             f"got {weight.dtype} on {weight.device}")
-        self.out_features, self.in_features = weight.shape
+                             f"got {first.dtype} on {first.device}")
+        self.out_features, self.in_features = cpu_linear.rows(parts), first.shape[1]
         self.bias = bias
-        self.weight = weight
+        self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
-            self.panels = cpu_linear.pack_panels(weight)
-            self.panel_bias = cpu_linear.pack_bias(bias, self.out_features)
-            self.weight = None
-        elif layout == "onednn":
-            self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.contiguous(), _ROWS_HINT)
-            self.weight = None
+            self.panels, self.panel_bias = _panels(weight, bias)
+            return
+        dense = torch.cat(parts) if len(parts) > 1 else first
+        if layout == "onednn":
+            self.packed = torch.ops.mkldnn._reorder_linear_weight(dense.contiguous(), _ROWS_HINT)
+        else:
+            self.weight = dense
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:

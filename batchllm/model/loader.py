@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from batchllm.model import panel_cache
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
@@ -29,6 +31,7 @@ class LoadedModel:
     name: str
     device: torch.device
     max_model_len: int
+    panel_cache: str = "off"  # hit | written | miss (nowhere writable) | off (not panels, or off)
 
 
 def pick_device(device: str) -> torch.device:
@@ -67,6 +70,17 @@ def load_model(
     config, state = load_weights(folder, dt, dev)
     limit = model_len_limit(config, max_model_len)
     tokenizer = load_tokenizer(folder)
-    model = DecoderModel(config, state, limit, folder)
+    model, cached = _build(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
-                       str(path), dev, limit)
+                       str(path), dev, limit, cached)
+
+
+def _build(config, state: dict[str, torch.Tensor], limit: int,
+           folder: Path) -> tuple[DecoderModel, str]:
+    """The model, its projections' panels through the panel file where the C kernel's layout
+    is used (panel_cache.py; BATCHLLM_PANEL_CACHE=0 packs without it); and the file's status."""
+    if os.environ.get("BATCHLLM_PANEL_CACHE", "1") == "0":
+        return DecoderModel(config, state, limit, folder), "off"
+    with panel_cache.serving(folder) as store:
+        model = DecoderModel(config, state, limit, folder)
+    return model, store.status

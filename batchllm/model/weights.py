@@ -115,7 +115,7 @@ def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str])
     if (final / MARKER).is_file():
         return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final.parent, name)
+    remove_stale_temps(final.parent, name)
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
     try:
@@ -137,12 +137,16 @@ def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str])
     return final
 
 
-def _remove_stale_temps(parent: Path, alias: str, age_s: float = 3600.0) -> None:
-    """Temp folders of runs killed mid-conversion (an hour old: no live run is still writing)."""
+def remove_stale_temps(parent: Path, alias: str, age_s: float = 3600.0) -> None:
+    """Temp folders (or files) of runs killed mid-write (an hour old: no live run is still
+    writing)."""
     for old in parent.glob(f".{alias}.tmp-*"):
         try:
             if time.time() - old.stat().st_mtime > age_s:
-                shutil.rmtree(old, ignore_errors=True)
+                if old.is_dir():
+                    shutil.rmtree(old, ignore_errors=True)
+                else:
+                    old.unlink()
         except OSError:
             pass  # removed by another run meanwhile
 

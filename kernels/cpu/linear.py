@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+from collections.abc import Sequence
 
 import torch
 
@@ -35,12 +36,23 @@ def load() -> ctypes.CDLL | None:
     return lib
 
 
-def pack_panels(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] -> [ceil(N / 16), K, 16] float32, the last panel padded with zeros."""
-    n, k = weight.shape
+def rows(weight: torch.Tensor | Sequence[torch.Tensor]) -> int:
+    """N of a weight [N, K] given whole or as its row blocks."""
+    return weight.shape[0] if isinstance(weight, torch.Tensor) else sum(w.shape[0] for w in weight)
+
+
+def pack_panels(weight: torch.Tensor | Sequence[torch.Tensor]) -> torch.Tensor:
+    """weight [N, K] (or its row blocks [N_i, K], in order) -> [ceil(N / 16), K, 16] float32,
+    the last panel padded with zeros. Blocks are copied in place, not joined first."""
+    parts = [weight] if isinstance(weight, torch.Tensor) else list(weight)
+    n, k = rows(parts), parts[0].shape[1]
     count = -(-n // PANEL)
-    padded = torch.zeros(count * PANEL, k, dtype=torch.float32)
-    padded[:n] = weight
+    padded = torch.empty(count * PANEL, k, dtype=torch.float32)
+    padded[n:] = 0
+    lo = 0
+    for part in parts:
+        padded[lo : lo + part.shape[0]] = part
+        lo += part.shape[0]
     panels = padded.view(count, PANEL, k).transpose(1, 2).contiguous()
     if panels.data_ptr() % 32:
         raise RuntimeError("cpu_linear: panels must be 32-byte aligned")
