@@ -1,0 +1,195 @@
+"""The panel file (batchllm/model/panel_cache.py): a warm load maps it and packs nothing; a
+changed weight file, a changed layout, a truncated or damaged file are never served: the panels
+are packed again, the file rewritten, and the model's logits still equal transformers'."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from hf_reference import tiny_model_folder
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM
+
+from batchllm.model import panel_cache
+from batchllm.model.attention import PagedAttention, StepMetadata
+from batchllm.model.loader import LoadedModel, load_model
+from kernels.cpu import linear as cpu_linear
+
+pytestmark = pytest.mark.skipif(cpu_linear.load() is None,
+                                reason="the C projection kernel cannot be built here")
+PAGE = 8
+
+
+@pytest.fixture
+def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A private copy of the tiny Llama (its weights may be changed), with its own cache root."""
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
+    monkeypatch.delenv("BATCHLLM_PANEL_CACHE", raising=False)
+    copy = tmp_path / "llama"
+    shutil.copytree(tiny_model_folder("llama"), copy)
+    return copy
+
+
+@pytest.fixture
+def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """How many weights were packed: one entry per call of the packing function."""
+    calls: list[int] = []
+    pack = cpu_linear.pack_panels
+
+    def counted(weight):
+        calls.append(1)
+        return pack(weight)
+
+    monkeypatch.setattr(cpu_linear, "pack_panels", counted)
+    return calls
+
+
+def load(folder: Path) -> LoadedModel:
+    return load_model(str(folder), "float32", "cpu")
+
+
+def assert_logits_equal_transformers(loaded: LoadedModel, folder: Path) -> None:
+    """One prefill step of 20 tokens: our logits against transformers' forward."""
+    model, s = loaded.model, loaded.model.shape
+    ids = torch.randint(5, 4000, (20,), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder)(ids[None]).logits[0].float()
+    pages = -(-len(ids) // PAGE)
+    attention = PagedAttention(s.num_layers, pages, PAGE, s.num_heads, s.num_kv_heads,
+                               s.head_dim, model.dtype, torch.device("cpu"), model.ops)
+    i32 = torch.int32
+    attention.meta = StepMetadata(
+        slot_mapping=torch.arange(len(ids)), page_table=torch.arange(pages, dtype=i32)[None],
+        cu_q=torch.tensor([0, len(ids)], dtype=i32),
+        context_lens=torch.tensor([len(ids)], dtype=i32), kv_start=torch.zeros(1, dtype=i32))
+    logits = model.forward(ids, torch.arange(len(ids)), attention, torch.arange(len(ids)))
+    torch.testing.assert_close(logits, expected, rtol=1e-4, atol=1e-3)
+
+
+def the_file(folder: Path) -> Path:
+    (path,) = [p for p in panel_cache.cache_paths(folder) if p.is_file()]
+    return path
+
+
+def test_warm_load_maps_the_file_and_packs_nothing(folder: Path, packs: list[int]) -> None:
+    cold = load(folder)
+    assert cold.panel_cache == "written" and len(packs) > 0
+    path = the_file(folder)
+    assert path.parent.name == "panels"  # a user's folder is not written into
+    assert not [p for p in path.parent.iterdir() if ".tmp-" in p.name]  # renamed into place
+    packs.clear()
+    warm = load(folder)
+    assert warm.panel_cache == "hit" and packs == []
+    assert_logits_equal_transformers(warm, folder)
+
+
+def test_changed_weight_file_is_rebuilt(folder: Path, packs: list[int]) -> None:
+    assert load(folder).panel_cache == "written"
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    state["model.layers.0.mlp.down_proj.weight"] *= -2  # same size: only the contents differ
+    save_file(state, weights, metadata={"format": "pt"})
+    packs.clear()
+    rebuilt = load(folder)
+    assert rebuilt.panel_cache == "written" and len(packs) > 0
+    assert_logits_equal_transformers(rebuilt, folder)
+    assert load(folder).panel_cache == "hit"
+
+
+def test_touched_weight_file_is_rebuilt(folder: Path) -> None:
+    assert load(folder).panel_cache == "written"
+    weights = folder / "model.safetensors"
+    st = weights.stat()
+    os.utime(weights, ns=(st.st_atime_ns, st.st_mtime_ns + 1_000_000))
+    assert load(folder).panel_cache == "written"
+
+
+def test_changed_layout_is_rebuilt(folder: Path, packs: list[int],
+                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    assert load(folder).panel_cache == "written"
+    monkeypatch.setattr(panel_cache, "LAYOUT_VERSION", panel_cache.LAYOUT_VERSION + 1)
+    packs.clear()
+    rebuilt = load(folder)
+    assert rebuilt.panel_cache == "written" and len(packs) > 0
+    assert_logits_equal_transformers(rebuilt, folder)
+
+
+def test_changed_packing_code_is_a_new_key(folder: Path, tmp_path: Path,
+                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    before = panel_cache.source_key(folder)
+    edited = tmp_path / "linear.py"
+    edited.write_text(Path(cpu_linear.__file__).read_text() + "\n# changed\n")
+    monkeypatch.setattr(panel_cache, "_CODE", [*panel_cache._CODE[:-1], edited])
+    assert panel_cache.source_key(folder) != before
+
+
+def _truncate(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(path.stat().st_size - 100)
+
+
+def _flip_header(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(40)  # inside the header's JSON
+        byte = f.read(1)
+        f.seek(40)
+        f.write(bytes([byte[0] ^ 0x20]))
+
+
+def _flip_magic(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.write(b"XX")
+
+
+def _empty(path: Path) -> None:
+    path.write_bytes(b"")
+
+
+@pytest.mark.parametrize("damage", [_truncate, _flip_header, _flip_magic, _empty])
+def test_damaged_file_is_rebuilt_not_trusted(folder: Path, packs: list[int], damage) -> None:
+    assert load(folder).panel_cache == "written"
+    damage(the_file(folder))
+    assert panel_cache.read_header(the_file(folder)) is None
+    packs.clear()
+    rebuilt = load(folder)
+    assert rebuilt.panel_cache == "written" and len(packs) > 0
+    assert_logits_equal_transformers(rebuilt, folder)
+    assert load(folder).panel_cache == "hit"
+
+
+def test_a_converted_folder_keeps_its_file_inside_else_the_cache_dir(folder: Path) -> None:
+    converted = Path(os.environ["BATCHLLM_CACHE"]) / "models" / "tiny"
+    shutil.copytree(folder, converted)
+    assert load(converted).panel_cache == "written"
+    assert (converted / panel_cache.FILE_NAME).is_file()
+    (converted / panel_cache.FILE_NAME).unlink()
+    (converted / panel_cache.FILE_NAME).mkdir()  # that place cannot take the file
+    assert load(converted).panel_cache == "written"
+    assert the_file(converted).parent.name == "panels"
+    assert load(converted).panel_cache == "hit"
+
+
+def test_files_of_removed_folders_are_swept(folder: Path, tmp_path: Path) -> None:
+    gone = tmp_path / "gone"
+    shutil.copytree(folder, gone)
+    assert load(gone).panel_cache == "written"
+    stale = the_file(gone)
+    shutil.rmtree(gone)
+    assert load(folder).panel_cache == "written"
+    assert not stale.exists() and the_file(folder).is_file()
+
+
+def test_other_layouts_keep_no_file(folder: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(cpu_linear, "load", lambda: None)  # no C kernel: oneDNN's layout
+    assert load(folder).panel_cache == "off"
+    assert not [p for p in panel_cache.cache_paths(folder) if p.exists()]
+
+
+def test_switched_off(folder: Path, packs: list[int], monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("BATCHLLM_PANEL_CACHE", "0")
+    assert load(folder).panel_cache == "off" and len(packs) > 0
+    assert not [p for p in panel_cache.cache_paths(folder) if p.exists()]
