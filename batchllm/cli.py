@@ -41,8 +41,14 @@ def run(
         help="Seconds between progress lines when stderr is not a terminal.")] = 30.0,
     debug: Annotated[bool, typer.Option(
         "--debug", help="Print the traceback of an unexpected failure here too.")] = False,
+    profile: Annotated[bool, typer.Option(
+        "--profile", help="Print the seconds of each phase (start-up, read, load, tokenize, "
+        "plan, run, write) at the end.")] = False,
 ) -> None:
     """Run a job: every input row gets an output row."""
+    from batchllm.engine.metrics import phase_report, process_started
+
+    started = process_started()
     from batchllm.config import load_job
     from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job, write_error_log
 
@@ -51,7 +57,7 @@ def run(
     try:
         cfg = load_job(job, overrides)
         metrics = run_job(cfg, progress=not quiet, progress_every=progress_every,
-                          resume=resume_command(job, overrides))
+                          resume=resume_command(job, overrides), started=started)
     except _start_errors() as e:
         _fail(str(e), 2)
     except JobInterrupted:
@@ -65,6 +71,8 @@ def run(
         what = str(e).replace("\n", " ")
         _fail(f"{type(e).__name__}: {what} (the traceback is in {log}"
               + (")" if debug else "; --debug prints it here)"), 1)
+    if profile and "process_seconds" in metrics:  # not for a job that was already complete
+        print(phase_report(metrics), file=sys.stderr)
     raise typer.Exit(3 if metrics.get("rows_error") else 0)
 
 

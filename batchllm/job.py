@@ -19,7 +19,7 @@ import time
 import traceback
 
 from batchllm.config import ConfigError, JobConfig, load_job
-from batchllm.engine.metrics import RunMetrics
+from batchllm.engine.metrics import Phases, RunMetrics
 from batchllm.engine.scheduler import KVCacheTooSmall
 from batchllm.model.errors import ModelError
 from batchllm.progress import Progress, summary
@@ -133,12 +133,14 @@ def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
 
 def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str, ...] = (),
             progress: bool = True, *, progress_every: float = 30.0,
-            resume: str | None = None) -> dict:
+            resume: str | None = None, started: float | None = None) -> dict:
     """Run a job file (or a loaded config); returns the metrics, also written next to the output.
     Raises ConfigError / JobCannotStart before anything runs when the job cannot start, JobFailed
     when a file cannot be written, JobInterrupted on SIGINT / SIGTERM. progress_every: seconds
     between plain progress lines (stderr not a terminal). resume: the command that resumes the
-    job, for messages (default: from `job` and `overrides`)."""
+    job, for messages (default: from `job` and `overrides`). started: the perf_counter time the
+    phases count from (the command passes its process's start; default: this call)."""
+    phases = Phases(started)
     cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
     resume = resume or resume_command(job, overrides)
     require_ray(cfg)
@@ -159,7 +161,7 @@ def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str
     if cfg.output.prometheus:
         prom = PrometheusFile(cfg.output.prometheus, cfg.name, start_timestamp_seconds=time.time())
     try:
-        return _run_locked(cfg, progress, progress_every, prom, resume)
+        return _run_locked(cfg, progress, progress_every, prom, resume, phases)
     except BaseException as e:
         if prom is not None:
             prom.update(exit_status=exit_code(e))
@@ -169,11 +171,13 @@ def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str
 
 
 def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFile | None,
-                resume: str) -> dict:
-    rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
-        cfg.input)
-    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
-                              flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", "256")))
+                resume: str, phases: Phases) -> dict:
+    phases.since_start("import")
+    with phases.timed("read"):
+        rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
+            cfg.input)
+        writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
+                                  flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", "256")))
     done = _prepare_output(cfg, writer)
     if done == {-1}:
         print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)
@@ -187,14 +191,15 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
         prom.update(rows=rows.num_rows, rows_done=whole, rows_resumed=whole)
     bar = Progress(rows.num_rows, whole, enabled=progress, every=every, prometheus=prom)
     try:
-        metrics = _run_rows(cfg, rows, writer, done, bar, resume)
+        metrics = _run_rows(cfg, rows, writer, done, bar, resume, phases)
         bar.close()
-        written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
-                                  cfg.output.include_token_ids, rows.num_rows,
-                                  _final_format(cfg, rows))
+        with phases.timed("write"):
+            written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
+                                      cfg.output.include_token_ids, rows.num_rows,
+                                      _final_format(cfg, rows))
         metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
                        rows_error=written.rows_error, rows_resumed=whole, job=cfg.name,
-                       parts_discarded=len(writer.discarded))
+                       parts_discarded=len(writer.discarded), **phases.to_dict())
         write_metrics(cfg.output.path, metrics)
     except storage.WriteFailed as e:
         bar.close()
@@ -210,7 +215,7 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
 
 
 def _run_rows(cfg: JobConfig, rows: InputRows | InputIndex, writer: CheckpointWriter,
-              done: set[int], bar: Progress, resume: str) -> dict:
+              done: set[int], bar: Progress, resume: str, phases: Phases) -> dict:
     """Run every row not in `done` (locally or on Ray workers) with SIGINT / SIGTERM turned
     into JobInterrupted after the finished rows are flushed."""
     def interrupt(signum, frame) -> None:
@@ -223,10 +228,11 @@ def _run_rows(cfg: JobConfig, rows: InputRows | InputIndex, writer: CheckpointWr
         if cfg.engine.workers > 1 and whole_rows(done) < rows.num_rows:  # else nothing to shard
             from batchllm.scale.driver import run_sharded  # imports ray
 
-            return run_sharded(cfg, rows, writer, done, bar).to_dict()
+            return _phases_of(run_sharded(cfg, rows, writer, done, bar), phases)
         if isinstance(rows, InputIndex):  # every row is done already: nothing to shard
-            rows = read_input(cfg.input)
-        return _run_local(cfg, rows, writer, done, bar).to_dict()
+            with phases.timed("read"):
+                rows = read_input(cfg.input)
+        return _phases_of(_run_local(cfg, rows, writer, done, bar, phases), phases)
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
@@ -249,21 +255,36 @@ def _write_failed(e: storage.WriteFailed, cfg: JobConfig, writer: CheckpointWrit
     return f"{e}; {saved}; once there is room, resume with: {resume}"
 
 
+def _phases_of(metrics: RunMetrics, phases: Phases) -> dict:
+    """The run's metrics, its plan and run seconds moved into the job's phases (where the
+    sharded path's workers ran them: the slowest worker's)."""
+    phases.seconds["plan"] = metrics.plan_seconds
+    phases.seconds["run"] = metrics.run_seconds
+    return metrics.to_dict()
+
+
 def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done: set[int],
-               bar: Progress) -> RunMetrics:
+               bar: Progress, phases: Phases) -> RunMetrics:
     """The single-process path: every row planned (so that a resumed run makes the same plan),
     the rows in `done` skipped."""
-    from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
+    with phases.timed("import"):
+        from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
 
-    runtime = Runtime.from_config(cfg)
-    rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
-                      keep_prompt=cfg.output.include_prompt)
+    with phases.timed("load"):
+        runtime = Runtime.from_config(cfg)
+    phases.notes["panel_cache"] = runtime.loaded.panel_cache
+    with phases.timed("tokenize"):
+        rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
+                          keep_prompt=cfg.output.include_prompt)
 
     def on_row(row) -> None:
         writer.add(row)
         bar.row_done(row)
 
-    return runtime.run(rows, on_row, bar.step, skip=done)
+    try:
+        return runtime.run(rows, on_row, bar.step, skip=done)
+    finally:
+        phases.first_forward = runtime.loaded.first_forward
 
 
 def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
@@ -287,9 +308,9 @@ def _token_text(cfg: JobConfig):
     def text(token_id: int) -> str:
         nonlocal tokenizer
         if tokenizer is None:
-            from batchllm.model.weights import load_tokenizer, resolve_model
+            from batchllm.model.weights import resolve_model, run_tokenizer
 
-            tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+            tokenizer = run_tokenizer(resolve_model(cfg.model.path))
         return tokenizer.decode([token_id])
 
     return text

@@ -60,8 +60,10 @@ class Grammars:
             import llguidance as llg
             import llguidance.hf
 
+            # transformers' tokenizer itself (model/tokenizer.py's twin builds it on request)
+            hf = getattr(self.hf_tokenizer, "transformers", None) or self.hf_tokenizer
             self._tokenizer = llguidance.hf.from_tokenizer(
-                self.hf_tokenizer, n_vocab=self.vocab_size, eos_token=self.eos_ids)
+                hf, n_vocab=self.vocab_size, eos_token=self.eos_ids)
             self._executor = llg.LLExecutor()
         return self._tokenizer
 

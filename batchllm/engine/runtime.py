@@ -104,9 +104,11 @@ class Runtime:
                 on_row(row)
         self._check_memory(planned.rows)  # all rows: the result must not depend on the skipped
         todo = planned.restricted_to(skip)
+        planned_at = time.perf_counter()
         stats = self.engine.run(todo.rows, todo.plan, on_row, on_step)
         ran = [r for r in todo.rows if not r.listed_in(skip)]
-        wall = time.perf_counter() - start
+        end = time.perf_counter()
+        wall = end - start
         model = self.loaded
         return RunMetrics(
             rows=sum(1 for r in records if not r.listed_in(skip)),
@@ -124,6 +126,8 @@ class Runtime:
             preemptions=stats.preemptions,
             prefix_evictions=stats.prefix_evictions,
             steps=stats.steps,
+            plan_seconds=planned_at - start,
+            run_seconds=end - planned_at,
             device=str(model.device),
             dtype=str(model.model.dtype).removeprefix("torch."),
             model=model.name,

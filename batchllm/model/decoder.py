@@ -15,9 +15,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from transformers import PretrainedConfig
 
 from batchllm.model.attention import PagedAttention
 from batchllm.model.checkpoint import Tensors
@@ -27,6 +27,9 @@ from batchllm.model.layers import Attention, Mlp, take_norm
 from batchllm.model.linear import Linear
 from batchllm.model.ops import ModelOps, pick_ops
 from batchllm.model.rotary import head_dim_of, head_permutation, rope_tables
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 
 @dataclass(frozen=True)

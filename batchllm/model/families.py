@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Literal
-
-from transformers import PretrainedConfig
+from typing import TYPE_CHECKING, Literal
 
 from batchllm.model.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh",
                 "gelu_tanh": "gelu_tanh"}

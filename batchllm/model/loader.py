@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,23 +16,36 @@ from batchllm.model.families import describe
 from batchllm.model.weights import (
     eos_token_ids,
     load_config,
-    load_tokenizer,
     load_weights,
     model_len_limit,
     resolve_model,
+    run_tokenizer,
 )
 
 
 @dataclass
 class LoadedModel:
     model: DecoderModel
-    tokenizer: object  # a transformers fast tokenizer
+    tokenizer: object  # a transformers fast tokenizer, or model/tokenizer.py's twin of one
     eos_ids: set[int]
     folder: Path
     name: str
     device: torch.device
     max_model_len: int
     panel_cache: str = "off"  # hit | written | miss (nowhere writable) | off (not panels, or off)
+    first_forward: float | None = None  # perf_counter time the first forward began
+
+    def __post_init__(self) -> None:
+        # The end of start-up (metrics.Phases): noted by the model's own forward, whatever
+        # calls it, at the cost of one check per step.
+        forward = self.model.forward
+
+        def noted(*args, **kwargs):
+            if self.first_forward is None:
+                self.first_forward = time.perf_counter()
+            return forward(*args, **kwargs)
+
+        self.model.forward = noted
 
 
 def pick_device(device: str) -> torch.device:
@@ -69,7 +83,7 @@ def load_model(
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
     limit = model_len_limit(config, max_model_len)
-    tokenizer = load_tokenizer(folder)
+    tokenizer = run_tokenizer(folder)
     model, cached = _build(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit, cached)

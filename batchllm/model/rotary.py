@@ -22,11 +22,14 @@ q . k are unchanged by a permutation of both.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
-from transformers import PretrainedConfig
-from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
 
 from batchllm.model.errors import ModelError
+
+if TYPE_CHECKING:
+    from transformers import PretrainedConfig
 
 _TYPES = ("default", "linear", "llama3", "yarn", "dynamic", "longrope")
 
@@ -80,6 +83,8 @@ def _frequencies(config: PretrainedConfig, kind: str) -> tuple[torch.Tensor, flo
     if rope_type not in _TYPES:
         raise ModelError(f"model.path: rope type {rope_type!r} is not supported; supported: "
                          + ", ".join(_TYPES))
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS  # the scaled types only
+
     extra = {"layer_type": kind} if kind else {}
     inv, scaling = ROPE_INIT_FUNCTIONS[rope_type](config, None, **extra)
     return inv.float(), float(scaling)

@@ -17,14 +17,19 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
+from batchllm.model import hf_cache
+from batchllm.model import tokenizer as fast_tokenizer
 from batchllm.model.errors import ModelError, ModelNotFoundError
 from batchllm.model.families import describe
 from batchllm.model.rotary import position_limit
+
+if TYPE_CHECKING:  # transformers is imported where it is used: ~1.4 s a start otherwise
+    from transformers import PretrainedConfig, PreTrainedTokenizerBase
 
 # alias -> (pip package, module holding the GGUF file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -153,7 +158,7 @@ def remove_stale_temps(parent: Path, alias: str, age_s: float = 3600.0) -> None:
 
 def _convert_gguf(source: Path, gguf_name: str, out: Path) -> None:
     """Dequantize a GGUF model to float32 and save it as a Hugging Face folder (safetensors)."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(source, gguf_file=gguf_name)
     model = AutoModelForCausalLM.from_pretrained(source, gguf_file=gguf_name, dtype=torch.float32)
@@ -166,8 +171,8 @@ def _convert_gguf(source: Path, gguf_name: str, out: Path) -> None:
 
 
 def load_config(folder: Path) -> PretrainedConfig:
-    """The model's transformers config."""
-    return AutoConfig.from_pretrained(folder)
+    """The model's transformers config (as resolved by transformers, cached: hf_cache.py)."""
+    return hf_cache.load_config(folder)
 
 
 def model_len_limit(config: PretrainedConfig, requested: int | None = None) -> int:
@@ -212,8 +217,20 @@ def load_weights(
 
 
 def load_tokenizer(folder: Path) -> PreTrainedTokenizerBase:
-    """The folder's (fast) tokenizer."""
+    """The folder's (fast) tokenizer, transformers' own."""
+    from transformers import AutoTokenizer
+
     tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not tokenizer.is_fast:
+        raise ModelNotFoundError(f"model.path: {folder}: no fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def run_tokenizer(folder: Path):
+    """The tokenizer a run uses: transformers' fast tokenizer, or the same through its
+    `tokenizers` backend alone once that is cached (model/tokenizer.py: same ids and text,
+    without importing transformers)."""
+    tokenizer = fast_tokenizer.load(folder)
     if not tokenizer.is_fast:
         raise ModelNotFoundError(f"model.path: {folder}: no fast tokenizer (tokenizer.json)")
     return tokenizer
@@ -250,4 +267,4 @@ def job_model(path: str, requested_len: int | None) -> tuple[PreTrainedTokenizer
     folder = resolve_model(path)
     config = load_config(folder)
     describe(config)
-    return load_tokenizer(folder), model_len_limit(config, requested_len)
+    return run_tokenizer(folder), model_len_limit(config, requested_len)
