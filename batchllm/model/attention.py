@@ -2,7 +2,8 @@
 
 The kernels are the model's (ops.py picks them): on CUDA the Triton kernels; elsewhere their
 pure-torch twins, with the decodes and the prefill chunks in C on the CPU where the kernels
-build (kernels/cpu/attention.py).
+build (kernels/cpu/attention.py). The metadata is built by the runner: from lists on the CPU
+path (engine/runner.py), in buffers on the device on the CUDA path (engine/device_runner.py).
 A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
@@ -33,6 +34,10 @@ class StepMetadata:
     prefix_pages: torch.Tensor | None = None  # [G, max_prefix_pages] int32
     prefix_lens: torch.Tensor | None = None  # [G] int32
     cu_prefix_q: torch.Tensor | None = None  # [G+1] int32
+    # The CUDA path's decode tile (ModelOps.tiles_decodes): the one-query sequences, and the
+    # longest context of the step (a host int: split-KV is chosen from it without a sync).
+    decode_seqs: torch.Tensor | None = None  # [n] int32
+    max_context: int = 0
 
 
 class PagedAttention:
@@ -74,17 +79,29 @@ class PagedAttention:
         """k, v: [T, Hkv, D], written at the step's slot mapping."""
         self.ops.store_kv(k, v, self.k_cache[layer], self.v_cache[layer], self.meta.slot_mapping)
 
+    def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+        """qkv [T, (Hq+2Hkv)*D]: q and k heads rotated in place (positions [T], cos, sin
+        [P, D]), k and v written at the step's slot mapping; one pass on the CUDA path."""
+        self.ops.rope_store(qkv, positions, cos, sin, num_heads, self.k_cache[layer],
+                            self.v_cache[layer], self.meta.slot_mapping)
+
     def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q: [T, Hq, D] -> o: [T, Hq, D]."""
         m = self.meta
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        extra = {"step": self._index(m)} if self.ops.indexes_steps else {}
+        extra = {}
+        if self.ops.indexes_steps:
+            extra = {"step": self._index(m)}
+        elif self.ops.tiles_decodes and m.decode_seqs is not None:
+            extra = {"decode_seqs": m.decode_seqs, "max_context": m.max_context}
         o, lse = self.ops.paged_attention(
             q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale, **extra
         )
         if m.cascade_rows and self.ops.prefix_attention_into is not None:
-            self.ops.prefix_attention_into(q, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q,
-                                 self.scale, o, lse)
+            n = m.cascade_rows
+            self.ops.prefix_attention_into(q[:n], kc, vc, m.prefix_pages, m.prefix_lens,
+                                           m.cu_prefix_q, self.scale, o[:n], lse[:n])
         elif m.cascade_rows:
             n = m.cascade_rows
             qc = q[:n]

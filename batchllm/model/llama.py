@@ -132,17 +132,15 @@ class LlamaModel:
     ) -> torch.Tensor:  # [S, V] fp32
         s = self.shape
         t = input_ids.shape[0]
-        hq, hkv, d = s.num_heads, s.num_kv_heads, s.head_dim
+        hq, d = s.num_heads, s.head_dim
         ops, eps = self.ops.pointwise, self.eps
         h = self.embed[input_ids]  # [T, H], the residual stream
         for i, layer in enumerate(self.layers):
             x = ops.add_rms_norm(h, None, layer.norm_in, eps)
             qkv = layer.qkv(x)  # [T, (Hq+2Hkv)*D]
-            ops.rope_(qkv, positions, self.cos, self.sin, hq + hkv)  # q and k heads, in place
+            # q and k heads rotated in place; k and v into the cache
+            attention.rope_store(i, qkv, positions, self.cos, self.sin, hq)
             q = qkv[:, : hq * d].view(t, hq, d)
-            k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-            v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-            attention.store(i, k, v)
             o = attention.attend(i, q)  # [T, Hq, D]
             x = ops.add_rms_norm(h, layer.o(o.reshape(t, hq * d)), layer.norm_post, eps)
             block = _mlp_rows(x, layer.gate_up.out_features)

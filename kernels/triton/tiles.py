@@ -10,6 +10,7 @@ writes (o, lse).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -17,6 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import pow2
+from kernels.triton.launch import dot_f32
 
 LOG2E = math.log2(math.e)
 
@@ -45,10 +47,13 @@ def attend_pages(
     stride_slot, stride_kvh,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
-    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0."""
+    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0.
+    DOT_F32: the products in float32 (the interpreter's bfloat16 tl.dot is wrong: launch.dot_f32)."""
+    if DOT_F32:
+        q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -64,6 +69,9 @@ def attend_pages(
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         visible = key_ok[None, :]
         if CAUSAL:
@@ -98,12 +106,14 @@ def store_tile(
     tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=row_ok)
 
 
-def launch_options(dtype: torch.dtype) -> dict:
+def launch_options(dtype: torch.dtype, kernel: object) -> dict:
     """Key block, dot precision and pipelining per dtype. float32: exact products (no TF32) and
-    smaller key blocks, which keep its shared memory under 100 KB and its compile time short."""
+    smaller key blocks, which keep its shared memory under 100 KB and its compile time short.
+    DOT_F32: bfloat16 products upcast, in the interpreter only (launch.dot_f32)."""
+    f32 = {"DOT_F32": dot_f32(kernel, dtype)}
     if dtype == torch.float32:
-        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3}
+        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": 4, "num_stages": 2, **f32}
+    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3, **f32}
 
 
 def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
@@ -111,3 +121,12 @@ def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int
     block_m = max(block_m, 16, pow2(group))
     tile_q = block_m // group
     return block_m, tile_q, t // tile_q + num_seqs
+
+
+@functools.cache
+def target_programs(device: torch.device) -> int:
+    """Programs worth launching for one attention call: two per SM on a GPU, a few elsewhere
+    (the interpreter; meta tensors planned for scripts/compile_check.py)."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
