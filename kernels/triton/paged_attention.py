@@ -166,11 +166,11 @@ def plan_paged_attention(
     if t == 0 or b == 0:
         return o.zero_(), lse.fill_(float("-inf")), []
     group = hq // hkv
-    options = launch_options(q.dtype, _paged_attention_kernel)
 
     def tiles(block_m: int, grid: tuple[int, ...], tile_q: int, o_part: torch.Tensor,
               lse_part: torch.Tensor, decode: bool, skip_decodes: bool) -> Launch:
         split_strides = (o_part.stride(0), lse_part.stride(0)) if o_part.dim() == 4 else (0, 0)
+        options = launch_options(q.dtype, _paged_attention_kernel, block_m, d)
         return Launch(_paged_attention_kernel, grid, (
             q, k_cache, v_cache, o_part, lse_part, page_table, cu_q, context_lens, kv_start,
             cu_q if decode_seqs is None else decode_seqs,  # read only by the DECODE launch

@@ -157,7 +157,7 @@ def plan_prefix_attention(
         return o.zero_(), lse.fill_(float("-inf")), []
     group = hq // hkv
     block_m, tile_q, tiles = tile_rows(t, groups, group, 64)
-    options = launch_options(q.dtype, _prefix_attention_kernel)
+    options = launch_options(q.dtype, _prefix_attention_kernel, block_m, d)
     key_blocks = cdiv(max_pages * page_size, options["BLOCK_N"])
     if num_splits is None:
         num_splits = target_programs(q.device) // (tiles * hkv)

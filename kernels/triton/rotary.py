@@ -126,7 +126,8 @@ def plan_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
     heads = num_heads + 2 * hkv
     if t == 0 or heads == 0:
         return []
-    block_h = min(16, pow2(heads))
+    # at most 512 pairs a program: 16 heads of 128 spill sm_80's registers (compile_check.py)
+    block_h = min(16, pow2(heads), max(1, 512 // pow2(d // 2)))
     caches = (k_cache, v_cache, slot_mapping) if store else (qkv, qkv, positions)
     return [Launch(_rope_store_kernel, (t, cdiv(heads, block_h)), (
         qkv, positions, cos, sin, *caches,

@@ -82,7 +82,10 @@ def attend_pages(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p_in = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache's dtype, as on a GPU
+        if DOT_F32:
+            p_in = p_in.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -106,14 +109,19 @@ def store_tile(
     tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=row_ok)
 
 
-def launch_options(dtype: torch.dtype, kernel: object) -> dict:
-    """Key block, dot precision and pipelining per dtype. float32: exact products (no TF32) and
-    smaller key blocks, which keep its shared memory under 100 KB and its compile time short.
-    DOT_F32: bfloat16 products upcast, in the interpreter only (launch.dot_f32)."""
+def launch_options(dtype: torch.dtype, kernel: object, block_m: int, head_dim: int) -> dict:
+    """Key block, dot precision, warps and pipelining of a tile of block_m rows. float32: exact
+    products (no TF32) and smaller key blocks, which keep its shared memory under 100 KB and its
+    compile time short. 16-bit 64-row tiles of head size 128 take 8 warps: with 4, sm_80's
+    registers spill (56-80 bytes, scripts/compile_check.py). DOT_F32: bfloat16 products
+    upcast, in the interpreter only (launch.dot_f32)."""
     f32 = {"DOT_F32": dot_f32(kernel, dtype)}
     if dtype == torch.float32:
-        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": 4, "num_stages": 2, **f32}
-    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3, **f32}
+        warps = 8 if block_m >= 64 or head_dim > 64 else 4
+        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": warps, "num_stages": 2,
+                **f32}
+    warps = 8 if block_m >= 64 and head_dim > 64 else 4
+    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": warps, "num_stages": 3, **f32}
 
 
 def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
