@@ -50,12 +50,15 @@ class LLM:
         max_batched_tokens: int = 8192,
         prefix_sharing: bool = True,
         order: str = "prefix-tree",
+        cuda_graphs: bool = True,
     ) -> None:
-        """kv_cache_memory: a fraction of free memory, or a size in bytes."""
+        """kv_cache_memory: a fraction of free memory, or a size in bytes; cuda_graphs: decode
+        steps as CUDA graphs (on CUDA)."""
         self.runtime = Runtime.build(
             model, dtype=dtype, device=device, max_model_len=max_model_len,
             page_size=page_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens, prefix_sharing=prefix_sharing, order=order)
+            max_batched_tokens=max_batched_tokens, prefix_sharing=prefix_sharing, order=order,
+            cuda_graphs=cuda_graphs)
         self.tokenizer = self.runtime.tokenizer
         self.max_model_len = self.runtime.max_model_len
         self.last_metrics: dict = {}  # the metrics of the last generate or chat call

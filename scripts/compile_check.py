@@ -209,7 +209,8 @@ def main(argv: list[str] | None = None) -> int:
     failures += [f"{name}: reached by no variant" for name in missing]
     for line in failures:
         print(f"FAIL {line}")
-    print(f"compile_check: {len(rows)} variants x {len(caps)} targets (sm_{', sm_'.join(map(str, caps))})"
+    targets = ", ".join(f"sm_{c}" for c in caps)
+    print(f"compile_check: {len(rows)} variants x {len(caps)} targets ({targets})"
           f" -> {len(_JOBS)} kernel specialisations of {len(reached)} kernels in "
           f"{time.perf_counter() - start:.0f} s; max shared {worst['shared'][0]} B "
           f"({worst['shared'][1]}), max registers {worst['regs'][0]} ({worst['regs'][1]}), "

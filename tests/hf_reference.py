@@ -3,12 +3,16 @@
 DESIGN.md's reference is transformers `generate`, greedy, float32, CPU, one prompt at a time. Our
 greedy tokens must equal it; where they first differ, the reference's top-two logits must be within
 `tol` (a near tie that summation order may flip) and the rest of that row is not compared.
+bfloat16 (the GPU path's default), against transformers in bfloat16: the team's rule, measured
+(README, Correctness): where the tokens first differ, the reference's logit of our token must be
+within BF16_ULPS bfloat16 ulps of its top logit (`assert_tokens_match_bf16`).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -28,6 +32,7 @@ from transformers import (
 from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
 
 SMOLLM2 = "smollm2-135m-instruct"
+BF16_ULPS = 4  # measured: 30 of 96 rows diverged, the worst at 3 ulps (scripts/measure_bf16.py)
 TINY_KINDS = ("llama", "qwen2", "mistral")
 
 # Shared by all tiny models: SmolLM2's tokenizer (vocab 49152, bos 1, eos/pad 2).
@@ -61,6 +66,11 @@ def _tiny_model(kind: str) -> PreTrainedModel:
             **_COMMON, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
             num_key_value_heads=1, head_dim=32, intermediate_size=96, tie_word_embeddings=False,
             sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+    if kind == "llama-30":  # the tiny Llama with SmolLM2-135M's 30 layers: launch counts
+        return LlamaForCausalLM(LlamaConfig(
+            **_COMMON, hidden_size=64, num_hidden_layers=30, num_attention_heads=4,
+            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
+            rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
     raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(TINY_KINDS)}")
 
 
@@ -104,9 +114,9 @@ def tiny_model_folder(kind: str) -> Path:
 
 
 @functools.cache
-def hf_model(folder: Path) -> PreTrainedModel:
-    """The transformers model of `folder`, float32 on the CPU, cached per folder."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def hf_model(folder: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The transformers model of `folder` on the CPU, float32 unless asked, cached per folder."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval()
 
 
@@ -121,6 +131,7 @@ def hf_greedy_reference(
     prompt_token_ids: list[list[int]],
     max_new_tokens: int | list[int],
     ignore_eos: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens of transformers `generate` for each prompt, one prompt at a time.
 
@@ -128,10 +139,11 @@ def hf_greedy_reference(
     as HF returns it) and, at each generated position, top-1 minus top-2 of the raw logits.
     Stops on the EOS ids of `batchllm.model.weights.eos_token_ids`; with `ignore_eos` it runs to
     `max_new_tokens`, EOS tokens may be generated and do not stop it (vLLM's ignore_eos).
-    `max_new_tokens` may be one value or one per prompt.
+    `max_new_tokens` may be one value or one per prompt. `dtype`: the model's (the references of
+    the other dtypes; their gaps are those of the logits in that dtype).
     """
     folder = Path(folder)
-    model = hf_model(folder)
+    model = hf_model(folder, dtype)
     limits = (
         max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_token_ids)
     )
@@ -192,4 +204,55 @@ def assert_tokens_match(
         f"{len(ours)} tokens and the reference {len(ref_tokens)} "
         f"(ours ends {ours[-3:]}, reference ends {ref_tokens[-3:]})"
     )
+    return False
+
+
+@torch.no_grad()
+def hf_greedy_logits(
+    folder: Path, prompt_token_ids: list[list[int]], max_new_tokens: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """As hf_greedy_reference, with the reference's logits at each generated position
+    ([N, V] float32, from the logits in `dtype`) instead of the top-two gaps."""
+    model = hf_model(Path(folder), dtype)
+    eos = list(_eos_ids(Path(folder)))
+    results = []
+    for prompt in prompt_token_ids:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=model.config.pad_token_id or 0,
+                             return_dict_in_generate=True, output_logits=True)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        results.append((tokens, torch.cat(out.logits).float()[: len(tokens)]))
+    return results
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0**-126))) - 7)
+
+
+def assert_tokens_match_bf16(
+    ours: list[int], ref_tokens: list[int], ref_logits: torch.Tensor, ulps: float = BF16_ULPS,
+    row: int | str | None = None,
+) -> bool:
+    """The bfloat16 rule. Equal tokens; at the first differing position, the reference's logit
+    of our token within `ulps` bfloat16 ulps of its top logit (then the rest is not compared);
+    lengths must agree unless the rows diverged there. True when they diverged."""
+    ours = [int(t) for t in ours]
+    where = f"row {row}: " if row is not None else ""
+    pos = first_divergence(ours, ref_tokens)
+    if pos is not None:
+        logits = ref_logits[pos]
+        top = float(logits.max())
+        deficit = top - float(logits[ours[pos]])
+        assert deficit <= ulps * bf16_ulp(top), (
+            f"{where}tokens differ at position {pos}: ours {ours[pos]}, reference "
+            f"{ref_tokens[pos]}; the reference's logit of ours is {deficit:.4f} below its top "
+            f"{top:.4f}, more than {ulps} bfloat16 ulps ({ulps * bf16_ulp(top):.4f})")
+        return True
+    assert len(ours) == len(ref_tokens), (
+        f"{where}same tokens up to position {min(len(ours), len(ref_tokens))}, but ours has "
+        f"{len(ours)} tokens and the reference {len(ref_tokens)}")
     return False

@@ -45,15 +45,18 @@ class Runtime:
         max_batched_tokens: int = 8192,
         prefix_sharing: bool = True,
         order: str = "prefix-tree",
+        cuda_graphs: bool = True,
     ) -> Runtime:
-        """kv_cache_memory: a fraction (float) of free memory, or a size in bytes (int)."""
+        """kv_cache_memory: a fraction (float) of free memory, or a size in bytes (int);
+        cuda_graphs: decode steps as CUDA graphs (on CUDA only)."""
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
         loaded = load_model(model, dtype, device, max_model_len)
         shape = loaded.model.shape
         bytes_per_token = shape.kv_bytes_per_token(loaded.model.dtype)
         budget = kv_budget_bytes(kv_cache_memory, loaded.device)
         engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, page_size), page_size,
-                        max_num_seqs, max_batched_tokens, prefix_sharing, loaded.max_model_len)
+                        max_num_seqs, max_batched_tokens, prefix_sharing, loaded.max_model_len,
+                        cuda_graphs)
         return cls(loaded, engine, prefix_sharing, order)
 
     @classmethod
@@ -64,7 +67,8 @@ class Runtime:
                          max_model_len=cfg.model.max_model_len, page_size=e.page_size,
                          kv_cache_memory=e.kv_cache_memory, max_num_seqs=e.max_num_seqs,
                          max_batched_tokens=e.max_batched_tokens,
-                         prefix_sharing=e.prefix_sharing, order=cfg.planner.order)
+                         prefix_sharing=e.prefix_sharing, order=cfg.planner.order,
+                         cuda_graphs=e.cuda_graphs)
 
     @property
     def tokenizer(self):

@@ -100,7 +100,8 @@ class _Layer:
 
 
 class LlamaModel:
-    """Weights and forward pass. `forward` is the only entry point the runner uses."""
+    """Weights and forward pass: `forward`, or its two halves `hidden` then `logits` (the CUDA
+    path captures `hidden` of decode steps in graphs, and computes the logits outside)."""
 
     def __init__(
         self,
@@ -130,6 +131,20 @@ class LlamaModel:
         attention: PagedAttention,  # the cache and this step's metadata
         sample_rows: torch.Tensor,  # [S] int64, rows of the step whose logits are wanted
     ) -> torch.Tensor:  # [S, V] fp32
+        return self.logits(self.hidden(input_ids, positions, attention, sample_rows))
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
+        return self.lm_head(h).float()
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: PagedAttention,
+        sample_rows: torch.Tensor,  # [S] int64
+    ) -> torch.Tensor:  # [S, H]: the final norm of the rows that sample (what a graph captures)
         s = self.shape
         t = input_ids.shape[0]
         hq, d = s.num_heads, s.head_dim
@@ -146,6 +161,6 @@ class LlamaModel:
             block = _mlp_rows(x, layer.gate_up.out_features)
             for lo in range(0, t, block):  # blocks of rows: bounded intermediate buffers
                 rows = slice(lo, lo + block)
-                h[rows] += layer.down(ops.silu_mul(layer.gate_up(x[rows])))  # [t, 2I] -> [t, I]
-        h = ops.add_rms_norm(h[sample_rows], None, self.norm, eps)  # [S, H]
-        return self.lm_head(h).float()  # [S, V]
+                # [t, 2I] -> [t, I]; add_ on the view (`h[rows] +=` copies the rows back after)
+                h[rows].add_(layer.down(ops.silu_mul(layer.gate_up(x[rows]))))
+        return ops.add_rms_norm(h[sample_rows], None, self.norm, eps)  # [S, H]

@@ -133,4 +133,5 @@ def plan_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         qkv, positions, cos, sin, *caches,
         qkv.stride(0), cos.stride(0), k_cache.stride(1) if store else 0,
         k_cache.stride(2) if store else 0,
-    ), {"HQ": num_heads, "HKV": hkv, "D": d, "HEADS": heads, "BLOCK_H": block_h, "HALF": pow2(d // 2), "STORE": store})]
+    ), {"HQ": num_heads, "HKV": hkv, "D": d, "HEADS": heads, "BLOCK_H": block_h,
+        "HALF": pow2(d // 2), "STORE": store})]

@@ -51,7 +51,8 @@ def attend_pages(
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
     m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0.
-    DOT_F32: the products in float32 (the interpreter's bfloat16 tl.dot is wrong: launch.dot_f32)."""
+    DOT_F32: the products in float32 (the interpreter's bfloat16 tl.dot is wrong:
+    launch.dot_f32)."""
     if DOT_F32:
         q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
