@@ -33,6 +33,8 @@ pytest.importorskip("triton")
 from batchllm import LLM, SamplingParams
 
 MAX_TOKENS = 6
+# On a GPU the same test runs compiled, its decode graphs captured and replayed.
+DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 # What the twins and the torch pointwise chains run, and the Triton path never does.
 TWIN_OPS = {"rsqrt", "silu", "silu_", "pow", "_scaled_dot_product_flash_attention_for_cpu",
             "index_copy_", "exp", "exp_", "softmax", "_softmax", "cat", "amax"}
@@ -102,7 +104,7 @@ def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypat
         settings["kv_cache_memory"] = kv_bytes(-(-longest // 4) + 2, 4, dtype)
     else:
         settings["kv_cache_memory"] = 16 << 20
-    llm = LLM(str(tiny_model_folder("llama")), dtype=dtype, device="cpu", **settings)
+    llm = LLM(str(tiny_model_folder("llama")), dtype=dtype, device=DEVICE, **settings)
     ops = llm.runtime.loaded.model.ops
     pointwise = [*ops.pointwise, ops.rope_store, ops.store_kv, ops.paged_attention,
                  ops.prefix_attention, ops.prefix_attention_into, ops.merge_states]
@@ -176,3 +178,38 @@ def test_the_bf16_rule() -> None:
     tokens, logits, pos, runner_up = near[0]
     assert assert_tokens_match_bf16([*tokens[:pos], runner_up, 5, 6], tokens, logits) is True
     assert assert_tokens_match_bf16(tokens, tokens, logits) is False
+
+
+def test_a_missing_or_broken_triton_fails_when_the_ops_are_picked(monkeypatch) -> None:
+    """At load (ModelError: exit 2), with the reason; not at the first layer."""
+    import sys
+
+    from batchllm.model import ops
+    from batchllm.model.errors import ModelError
+    from kernels.triton import launch
+
+    monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU's interpreter path (kernels.triton is compiled here)")
+    cpu = torch.device("cpu")
+    monkeypatch.setitem(sys.modules, "kernels.triton", None)  # as if triton were not there
+    with pytest.raises(ModelError, match="model.device: the cpu path runs Triton kernels, and "
+                                         "triton cannot be imported"):
+        ops.pick_ops(cpu, torch.float32, 4, 16)
+    monkeypatch.undo()
+    monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
+
+    def broken(launches) -> None:
+        raise RuntimeError("ptxas: not found")
+
+    monkeypatch.setattr(launch, "run", broken)
+    ops._check_triton_runs.cache_clear()
+    try:
+        with pytest.raises(ModelError, match="the Triton kernels cannot run on cpu "
+                                             r"\(RuntimeError: ptxas: not found\)"):
+            ops.pick_ops(cpu, torch.float32, 4, 16)
+    finally:
+        ops._check_triton_runs.cache_clear()
+    monkeypatch.setenv("BATCHLLM_BACKEND", "cuda-please")
+    with pytest.raises(ModelError, match="BATCHLLM_BACKEND: expected auto or triton"):
+        ops.pick_ops(cpu, torch.float32, 4, 16)
