@@ -1,49 +1,70 @@
 """The command line: parse, build the config, delegate. Exit codes as DESIGN.md says:
-0 every row succeeded; 3 finished with error rows; 2 the job cannot start; 1 anything else."""
+0 every row succeeded; 3 finished with error rows; 2 the job cannot start; 1 anything else.
+
+Every failure is one line on stderr (`batchllm: error: ...`); an unexpected one also names the
+log file that holds its traceback (`<output>.error.log`), and `--debug` prints the traceback.
+"""
 
 from __future__ import annotations
 
 import sys
+import traceback
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(add_completion=False, no_args_is_help=True, pretty_exceptions_enable=False,
                   help="Offline batch LLM inference: Parquet prompts in, Parquet completions out.")
 
 _SET = typer.Option("--set", help="Override a job field: section.key=value (repeatable).")
 
 
-def _cannot_start(message: str) -> None:
+def _fail(message: str, code: int) -> None:
     print(f"batchllm: error: {message}", file=sys.stderr)
-    raise typer.Exit(2)
+    raise typer.Exit(code)
 
 
 def _start_errors() -> tuple[type[BaseException], ...]:
-    from batchllm.config import ConfigError
-    from batchllm.engine.scheduler import KVCacheTooSmall
-    from batchllm.job import JobCannotStart
-    from batchllm.model.errors import ModelError
+    from batchllm.job import START_ERRORS
 
-    return (ConfigError, JobCannotStart, ModelError, KVCacheTooSmall)
+    return START_ERRORS
 
 
 @app.command()
 def run(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
     overrides: Annotated[list[str] | None, _SET] = None,
-    quiet: Annotated[bool, typer.Option("--quiet", help="No progress bar.")] = False,
+    quiet: Annotated[bool, typer.Option("--quiet", help="No progress output.")] = False,
+    progress_every: Annotated[float, typer.Option(
+        "--progress-every", min=0.1,
+        help="Seconds between progress lines when stderr is not a terminal.")] = 30.0,
+    debug: Annotated[bool, typer.Option(
+        "--debug", help="Print the traceback of an unexpected failure here too.")] = False,
 ) -> None:
     """Run a job: every input row gets an output row."""
-    from batchllm.job import JobInterrupted, run_job
+    from batchllm.config import load_job
+    from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job, write_error_log
 
+    overrides = overrides or []
+    cfg = None
     try:
-        metrics = run_job(job, overrides or [], progress=not quiet)
+        cfg = load_job(job, overrides)
+        metrics = run_job(cfg, progress=not quiet, progress_every=progress_every,
+                          resume=resume_command(job, overrides))
     except _start_errors() as e:
-        _cannot_start(str(e))
+        _fail(str(e), 2)
     except JobInterrupted:
         raise typer.Exit(1)
+    except JobFailed as e:
+        _fail(str(e), 1)
+    except Exception as e:  # noqa: BLE001 - the one place every unexpected failure ends
+        log = write_error_log(cfg, e)
+        if debug:
+            traceback.print_exception(e, file=sys.stderr)
+        what = str(e).replace("\n", " ")
+        _fail(f"{type(e).__name__}: {what} (the traceback is in {log}"
+              + (")" if debug else "; --debug prints it here)"), 1)
     raise typer.Exit(3 if metrics.get("rows_error") else 0)
 
 
@@ -59,7 +80,7 @@ def plan(
     try:
         report = plan_job(job, overrides or [])
     except _start_errors() as e:
-        _cannot_start(str(e))
+        _fail(str(e), 2)
     width = max(map(len, report))
     for key, value in report.items():
         print(f"{key:<{width}}  {value}")

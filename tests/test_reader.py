@@ -1,5 +1,7 @@
 """Parquet in: real files in tmp_path, read back through read_input."""
 
+import json
+
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
@@ -205,3 +207,53 @@ def test_index_checks_ids_and_text_column(tmp_path):
         read_index(InputConfig(path=str(f)))
     with pytest.raises(ConfigError, match="input.prompt_column.*'text'"):
         read_index(InputConfig(path=str(f), prompt_column="text", id_column=None))
+
+
+def _jsonl(path, rows):
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_jsonl_and_csv_read_as_parquet_does(tmp_path):
+    rows = [{"id": "a", "prompt": "x", "max_tokens": 5, "stop": ["##"]},
+            {"id": "b", "prompt": None, "max_tokens": None, "stop": None},
+            {"id": "c", "prompt": "z", "max_tokens": 7, "stop": []}]
+    want = read_input(InputConfig(path=str(_write(tmp_path / "in.parquet", **{
+        k: [r[k] for r in rows] for k in rows[0]}))))
+    got = read_input(InputConfig(path=str(_jsonl(tmp_path / "in.jsonl", rows))))
+    assert got.ids.to_pylist() == want.ids.to_pylist() and got.prompts == want.prompts
+    assert got.overrides == want.overrides == {"max_tokens": [5, None, 7],
+                                               "stop": [("##",), None, ()]}
+    csv = tmp_path / "in.csv"
+    csv.write_text("id,prompt,temperature\n7,42,0.5\n8,Who pays?,\n")
+    rows = read_input(InputConfig(path=str(csv)))
+    assert rows.ids.to_pylist() == [7, 8] and rows.prompts == ["42", "Who pays?"]  # text stays
+    assert rows.overrides == {"temperature": [0.5, None]}
+    odd = tmp_path / "prompts.txt"  # any extension, with the format given
+    odd.write_text(csv.read_text())
+    assert read_input(InputConfig(path=str(odd), format="csv")).prompts == ["42", "Who pays?"]
+
+
+def test_jsonl_messages_and_folders(tmp_path):
+    conv = [{"role": "user", "content": "Hi"}]
+    f = _jsonl(tmp_path / "d" / "b.jsonl", [{"messages": conv}, {"messages": None}])
+    _jsonl(tmp_path / "d" / "a.ndjson", [{"messages": conv}])
+    rows = read_input(InputConfig(path=str(f.parent), messages_column="messages"))
+    assert rows.messages == [conv, conv, None] and rows.files[0].endswith("a.ndjson")
+    _write(tmp_path / "d" / "c.parquet", messages=[conv])  # auto: a folder's Parquet first
+    assert read_input(InputConfig(path=str(f.parent), messages_column="messages")).num_rows == 1
+    with pytest.raises(ConfigError, match=r"holds no .csv files"):
+        read_input(InputConfig(path=str(f.parent), format="csv"))
+
+
+def test_unreadable_jsonl_and_an_openai_batch_file_in_disguise(tmp_path):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"prompt": "x"}\n{"prompt": \n')
+    with pytest.raises(ConfigError, match=r"input.path: cannot read .*bad.jsonl as JSON Lines"):
+        read_input(InputConfig(path=str(bad)))
+    batch = _jsonl(tmp_path / "batch.jsonl", [{"custom_id": "a", "method": "POST", "url": "u",
+                                               "body": {"prompt": "x"}}])
+    with pytest.raises(ConfigError, match="looks like an OpenAI Batch file: set input.format: "
+                                          "openai-batch"):
+        read_input(InputConfig(path=str(batch)))

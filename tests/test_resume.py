@@ -14,7 +14,12 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-from job_files import tiny_job
+from job_files import ops_job, ops_reference, output_row, start_cli, tiny_job
+
+from batchllm.config import load_job
+from batchllm.job import fingerprint
+from batchllm.rows.reader import read_input
+from batchllm.rows.writer import CheckpointWriter
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 ROWS = 96
@@ -129,3 +134,39 @@ def test_sigterm_flushes_and_says_how_to_resume(tmp_path, uninterrupted):
     _, err = resumed.communicate(timeout=600)
     assert resumed.returncode == 0, err
     assert pq.read_table(out).equals(uninterrupted)
+
+
+def test_bad_parts_are_moved_aside_named_and_counted(tmp_path):
+    """A truncated part and a part of another job among good parts: both moved aside (not
+    deleted) and named in a warning, parts_discarded = 2, their rows run again."""
+    job = ops_job(tmp_path, "run")
+    out = tmp_path / "run" / "out.parquet"
+    cfg = load_job(job)
+    ours = fingerprint(cfg, read_input(cfg.input).files)
+    lines = ops_reference().to_pylist()
+
+    def write_part(fp: dict, rows: range) -> Path:
+        w = CheckpointWriter(out, fp, flush_rows=10**9)
+        for i in rows:
+            w.add(output_row(i, lines[i]))
+        w.flush()
+        return Path(w.parts_dir) / max(os.listdir(w.parts_dir))
+
+    write_part(ours, range(15))
+    write_part(ours, range(15, 30))
+    torn = write_part(ours, range(30, 36))
+    torn.write_bytes(torn.read_bytes()[: torn.stat().st_size // 2])  # truncated, as by a crash
+    other = write_part({**ours, "sampling": {**ours["sampling"], "seed": 99}}, range(36, 42))
+    proc = start_cli("run", str(job), "--quiet", "--set", "output.mode=resume")
+    _, err = proc.communicate(timeout=600)
+    assert proc.returncode == 0, err
+    warnings = [line for line in err.splitlines() if line.startswith("batchllm: warning")]
+    assert len(warnings) == 2
+    assert f"{torn} cannot be read" in warnings[0]
+    assert f"{other} was written by another job (differs in: sampling)" in warnings[1]
+    moved = sorted(Path(f"{out}.discarded").iterdir())
+    assert [p.name.split(".")[0] for p in moved] == [torn.stem, other.stem]
+    assert all(f"moved to {p}" in "".join(warnings) for p in moved)
+    metrics = json.loads(Path(f"{out}.metrics.json").read_text())
+    assert metrics["parts_discarded"] == 2 and metrics["rows_resumed"] == 30
+    assert pq.read_table(out).equals(ops_reference())

@@ -84,13 +84,14 @@ def test_fingerprint_mismatch(tmp_path):
     assert not other.has_checkpoint() and other.done_rows() == set()
 
 
-def test_damaged_part_is_ignored(tmp_path):
+def test_damaged_part_is_moved_aside(tmp_path):
     w = CheckpointWriter(tmp_path / "o.parquet", FP)
     w.add(_row(0))
     w.flush()
     with open(os.path.join(w.parts_dir, "part-00001.parquet"), "wb") as f:
         f.write(b"PAR1 torn")
     assert w.done_rows() == {0}
+    assert [os.path.basename(d.path) for d in w.discarded] == ["part-00001.parquet"]
 
 
 def test_final_schema_and_metadata(tmp_path):
@@ -174,3 +175,44 @@ def test_row_written_twice_is_kept_once(tmp_path):
     w.add(_row(1))
     w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=2)
     assert pq.read_table(tmp_path / "o.parquet").column("id").to_pylist() == ["r0", "r1"]
+
+
+def test_bad_and_foreign_parts_are_moved_aside(tmp_path):
+    out = tmp_path / "o.parquet"
+    w = CheckpointWriter(out, FP, flush_rows=1)
+    w.add(_row(0))
+    w.add(_row(1))
+    other = CheckpointWriter(out, {**FP, "model": "other"}, flush_rows=1)
+    other.add(_row(2))  # part-00002, another job's
+    parts = os.path.join(w.parts_dir, "")
+    pq.write_table(pa.table({"row": [3]}), parts + "part-00003.parquet")  # not a part's columns
+    with open(parts + "part-00004.parquet", "wb") as f:
+        f.write(b"PAR1 torn")
+    resumed = CheckpointWriter(out, FP)
+    assert resumed.done_rows() == {0, 1}
+    assert [(os.path.basename(d.path), d.why.split(" (")[0]) for d in resumed.discarded] == [
+        ("part-00003.parquet", ("lacks the column(s) completion, finish_reason, prompt_tokens, "
+         "completion_tokens, cached_tokens, error, prompt, token_ids, id")),
+        ("part-00004.parquet", "cannot be read"),
+        ("part-00002.parquet", "was written by another job")]
+    assert resumed.discarded[2].why.endswith("(differs in: model)")
+    assert sorted(os.listdir(w.parts_dir)) == ["part-00000.parquet", "part-00001.parquet"]
+    moved = sorted(os.listdir(f"{out}.discarded"))
+    assert [m.split(".")[0] for m in moved] == ["part-00002", "part-00003", "part-00004"]
+    assert all(d.moved_to == os.path.join(f"{out}.discarded", os.path.basename(d.moved_to))
+               for d in resumed.discarded)
+
+
+def test_failed_write_leaves_no_temporary_file(tmp_path):
+    from batchllm.rows.storage import WriteFailed, write_atomic
+
+    def half(f):
+        f.write(b"half a file")
+        raise OSError(28, "No space left on device")
+
+    (tmp_path / "o.parquet").write_bytes(b"previous")
+    with pytest.raises(WriteFailed) as e:
+        write_atomic(str(tmp_path / "o.parquet"), half)
+    assert str(e.value) == f"cannot write {tmp_path / 'o.parquet'}: No space left on device"
+    assert sorted(os.listdir(tmp_path)) == ["o.parquet"]
+    assert (tmp_path / "o.parquet").read_bytes() == b"previous"

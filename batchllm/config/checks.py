@@ -60,6 +60,15 @@ def file_path(v: Any) -> str:
     return os.path.expanduser(string(v))
 
 
+def prom_file(v: Any) -> str:
+    """A local file for node_exporter's textfile collector, which reads only *.prom files."""
+    v = file_path(v)
+    if "://" in v or not v.endswith(".prom"):
+        raise Bad(f"expected a local file path ending in .prom (node_exporter's textfile "
+                  f"collector reads *.prom files), got {show(v)}")
+    return v
+
+
 def number(v: Any, what: str, ok) -> float:
     try:
         good = not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)

@@ -68,6 +68,8 @@ class InputConfig(_Section):
     messages_column: str | None = _spec(c.optional(c.string), None)
     chat_template: bool = _spec(c.boolean, True)
     system_prompt: str | None = _spec(c.optional(c.string), None)
+    # auto: by extension (.parquet, .jsonl / .ndjson, .csv); openai-batch: OpenAI Batch requests
+    format: str = _spec(c.one_of("auto", "parquet", "jsonl", "csv", "openai-batch"), "auto")
 
     def _cross_checks(self) -> list[str]:
         if self.chat_template:
@@ -83,6 +85,8 @@ class OutputConfig(_Section):
     mode: str = _spec(c.one_of("error", "overwrite", "resume"), "error")
     include_prompt: bool = _spec(c.boolean, False)
     include_token_ids: bool = _spec(c.boolean, False)
+    format: str = _spec(c.one_of("parquet", "openai-batch"), "parquet")  # openai-batch: JSONL
+    prometheus: str | None = _spec(c.optional(c.prom_file), None)  # node_exporter textfile
 
 
 @dataclass(frozen=True)

@@ -109,6 +109,7 @@ class Engine:
                 del node_logits[node]
             stats.steps += 1
             stats.preemptions = sched.preemptions
+            stats.prefix_evictions = len(sched.prefixes.evicted)
             stats.kv_pages_in_use = pool.num_used
             stats.kv_pages_peak = pool.peak_used
             stats.kv_pages_shared = pool.num_shared

@@ -21,6 +21,7 @@ class EngineStats:
     rows_done: int = 0
     steps: int = 0
     preemptions: int = 0
+    prefix_evictions: int = 0  # shared prefixes dropped from the cache before their last user
     kv_pages_in_use: int = 0
     kv_pages_peak: int = 0
     kv_pages_shared: int = 0
@@ -58,6 +59,7 @@ class RunMetrics:
     kv_bytes_per_token: int = _same(0)
     page_size: int = _same(0)
     preemptions: int = _sum()
+    prefix_evictions: int = _sum()
     steps: int = _sum()
     device: str = _same("")
     dtype: str = _same("")

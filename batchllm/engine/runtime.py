@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 
 from batchllm.config import JobConfig
 from batchllm.engine.cpu_allocator import keep_freed_memory
@@ -21,54 +22,55 @@ from batchllm.plan.rows_plan import plan_rows
 from batchllm.rows.record import Row
 
 
+@dataclass(frozen=True)
+class EngineSettings:
+    """How a model is loaded and run, as the job file's model, engine and planner sections say
+    (DESIGN.md); the keyword arguments of batchllm.LLM."""
+
+    dtype: str = "auto"
+    device: str = "auto"
+    max_model_len: int | None = None
+    page_size: int = 16
+    kv_cache_memory: float | int = 0.9  # a fraction (float) of free memory, or bytes (int)
+    max_num_seqs: int = 256
+    max_batched_tokens: int = 8192
+    prefix_sharing: bool = True
+    order: str = "prefix-tree"
+    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (on CUDA only)
+
+    @classmethod
+    def of(cls, cfg: JobConfig) -> EngineSettings:
+        m, e = cfg.model, cfg.engine
+        return cls(m.dtype, m.device, m.max_model_len, e.page_size, e.kv_cache_memory,
+                   e.max_num_seqs, e.max_batched_tokens, e.prefix_sharing, cfg.planner.order,
+                   e.cuda_graphs)
+
+
 class Runtime:
     """A loaded model, its engine and the settings every run of it uses."""
 
-    def __init__(self, loaded: LoadedModel, engine: Engine, prefix_sharing: bool,
-                 order: str) -> None:
+    def __init__(self, loaded: LoadedModel, engine: Engine, settings: EngineSettings) -> None:
         self.loaded = loaded
         self.engine = engine
-        self.prefix_sharing = prefix_sharing
-        self.order = order
+        self.settings = settings
 
     @classmethod
-    def build(
-        cls,
-        model: str = "smollm2-135m-instruct",
-        *,
-        dtype: str = "auto",
-        device: str = "auto",
-        max_model_len: int | None = None,
-        page_size: int = 16,
-        kv_cache_memory: float = 0.9,
-        max_num_seqs: int = 256,
-        max_batched_tokens: int = 8192,
-        prefix_sharing: bool = True,
-        order: str = "prefix-tree",
-        cuda_graphs: bool = True,
-    ) -> Runtime:
-        """kv_cache_memory: a fraction (float) of free memory, or a size in bytes (int);
-        cuda_graphs: decode steps as CUDA graphs (on CUDA only)."""
+    def build(cls, model: str, settings: EngineSettings) -> Runtime:
+        """Load `model` (a built-in alias or a Hugging Face folder) and size its KV pool."""
+        s = settings
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
-        loaded = load_model(model, dtype, device, max_model_len)
-        shape = loaded.model.shape
-        bytes_per_token = shape.kv_bytes_per_token(loaded.model.dtype)
-        budget = kv_budget_bytes(kv_cache_memory, loaded.device)
-        engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, page_size), page_size,
-                        max_num_seqs, max_batched_tokens, prefix_sharing, loaded.max_model_len,
-                        cuda_graphs)
-        return cls(loaded, engine, prefix_sharing, order)
+        loaded = load_model(model, s.dtype, s.device, s.max_model_len)
+        bytes_per_token = loaded.model.shape.kv_bytes_per_token(loaded.model.dtype)
+        budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
+        engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, s.page_size), s.page_size,
+                        s.max_num_seqs, s.max_batched_tokens, s.prefix_sharing,
+                        loaded.max_model_len, s.cuda_graphs)
+        return cls(loaded, engine, s)
 
     @classmethod
     def from_config(cls, cfg: JobConfig) -> Runtime:
         """The runtime of a job file: its model and its engine and planner settings."""
-        e = cfg.engine
-        return cls.build(cfg.model.path, dtype=cfg.model.dtype, device=cfg.model.device,
-                         max_model_len=cfg.model.max_model_len, page_size=e.page_size,
-                         kv_cache_memory=e.kv_cache_memory, max_num_seqs=e.max_num_seqs,
-                         max_batched_tokens=e.max_batched_tokens,
-                         prefix_sharing=e.prefix_sharing, order=cfg.planner.order,
-                         cuda_graphs=e.cuda_graphs)
+        return cls.build(cfg.model.path, EngineSettings.of(cfg))
 
     @property
     def tokenizer(self):
@@ -90,7 +92,8 @@ class Runtime:
         interrupted run) are planned with the others, so that the plan is the same, but neither
         run nor handed out."""
         start = time.perf_counter()
-        planned = plan_rows(rows, self.max_model_len, self.prefix_sharing, self.order)
+        planned = plan_rows(rows, self.max_model_len, self.settings.prefix_sharing,
+                            self.settings.order)
         for row in rows:
             if not row.ok and row.index not in skip:
                 on_row(row)
@@ -114,6 +117,7 @@ class Runtime:
             kv_bytes_per_token=stats.kv_bytes_per_token,
             page_size=self.engine.page_size,
             preemptions=stats.preemptions,
+            prefix_evictions=stats.prefix_evictions,
             steps=stats.steps,
             device=str(model.device),
             dtype=str(model.model.dtype).removeprefix("torch."),

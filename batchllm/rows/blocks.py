@@ -1,7 +1,7 @@
 """The input in blocks, for jobs too large to read on one machine (engine.sharding partition):
 the driver reads an index (ids, row count, blocks of whole row groups) and checks every column's
 type from the files' schemas; tasks read one block each. Same files, order and checks as
-`reader.read_input`.
+`reader.read_input`. Blocks are row groups: Parquet input only.
 """
 
 from __future__ import annotations
@@ -12,6 +12,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
+from batchllm.rows import storage
 from batchllm.rows.reader import (
     InputRows,
     _check_schema,
@@ -25,6 +26,7 @@ from batchllm.rows.reader import (
     _text_field,
     input_files,
 )
+from batchllm.rows.tables import file_format, row_count
 
 BLOCK_ROWS = 65536  # rows of an input block (whole row groups; a file's last block may be short)
 
@@ -51,13 +53,16 @@ class InputIndex:
 
 
 def count_rows(cfg: InputConfig) -> int:
-    """The number of input rows, from the files' footers."""
-    return sum(_metadata(f).num_rows for f in input_files(cfg.path))
+    """The number of input rows (of Parquet files, from their footers)."""
+    if cfg.format == "openai-batch":
+        return sum(1 for f in input_files(cfg.path, cfg.format)
+                   for line in storage.open_bytes(f).read().splitlines() if line.strip())
+    return sum(row_count(f, cfg.format) for f in input_files(cfg.path, cfg.format))
 
 
 def _metadata(file: str) -> pq.FileMetaData:
     try:
-        return pq.read_metadata(file)
+        return pq.read_metadata(storage.arrow_source(file))
     except (OSError, pa.ArrowException) as e:
         raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
 
@@ -67,16 +72,19 @@ def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS,
     """Ids (checked as read_input checks them), row count and blocks of about `block_rows`
     rows (whole row groups), reading only the id column; the text column must exist and every
     column's type is checked from the schema, so a bad job stops before anything runs."""
-    files = input_files(cfg.path)
+    files = input_files(cfg.path, cfg.format)
     text, field = _text_field(cfg)
     tables, blocks, first = [], [], 0
     for file in files:
+        if cfg.format == "openai-batch" or file_format(file, cfg.format) != "parquet":
+            raise ConfigError(f"engine.sharding: partition reads Parquet input only, and "
+                              f"{file} is not Parquet; set engine.sharding: tree")
         meta = _metadata(file)
         schema = meta.schema.to_arrow_schema()
         if text not in schema.names:
             raise _missing(field, text, file, schema.names)
         _check_schema(schema, cfg, sampling_fields)
-        tables.append(_read(file, [cfg.id_column]))
+        tables.append(_read(file, cfg, [cfg.id_column]))
         group: list[int] = []
         rows = 0
         for g in range(meta.num_row_groups):

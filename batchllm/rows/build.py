@@ -33,7 +33,10 @@ def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
     convs: dict[int, list[dict]] = {}
     plain: dict[int, str] = {}
     for i in range(rows.num_rows):
-        if rows.messages is not None:
+        if i in rows.errors:  # found invalid when read (an OpenAI Batch line)
+            errors[i] = rows.errors[i]
+            continue
+        if rows.messages is not None and (rows.prompts is None or rows.messages[i] is not None):
             msgs = rows.messages[i]
             if not msgs:
                 errors[i] = f"input.{cfg.messages_column}: the messages are null or empty"
@@ -47,7 +50,7 @@ def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
             errors[i] = f"input.{cfg.prompt_column}: the prompt is null"
         elif not prompt.strip():
             errors[i] = f"input.{cfg.prompt_column}: the prompt is empty"
-        elif cfg.chat_template:
+        elif cfg.chat_template and not rows.prompts_as_is:
             convs[i] = conversation(prompt, cfg.system_prompt)
         else:
             plain[i] = prompt
@@ -79,8 +82,11 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
     """One Row per input row, in order; rows[i] gets index first_index + i (a block of a larger
     input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
     plain, convs, errors = _texts(cfg, rows)
-    text = {**plain, **_render(tokenizer, convs, errors)}
-    ids = dict(zip(text, tokenize(tokenizer, text.values(), not cfg.chat_template)))
+    rendered = _render(tokenizer, convs, errors)
+    text = {**plain, **rendered}
+    # special tokens (BOS) are added to plain prompts; a chat template writes its own
+    ids = {**dict(zip(plain, tokenize(tokenizer, plain.values(), True))),
+           **dict(zip(rendered, tokenize(tokenizer, rendered.values(), False)))}
     row_ids = rows.ids.to_pylist()
     out = []
     for i in range(rows.num_rows):

@@ -1,31 +1,36 @@
-"""Parquet in: a file, a folder of .parquet files or a glob -> InputRows (plain data).
+"""Rows in: a file, a folder or a glob (local or on object storage) -> InputRows (plain data).
 
-Files are read in sorted path order, rows in file order; the row index over all files is the row's
-identity for checkpoints and output order. Only the needed columns are read.
+Parquet, JSON Lines and CSV files (input.format, by extension when auto: rows/tables.py), or an
+OpenAI Batch file (input.format: openai-batch: rows/openai_batch.py). Files are read in sorted
+path order, rows in file order; the row index over all files is the row's identity for
+checkpoints and output order. Only the needed columns are read.
 """
 
 from __future__ import annotations
 
 import difflib
-import glob
-import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
+from batchllm.rows import storage
+from batchllm.rows.openai_batch import parse_batch
+from batchllm.rows.tables import EXTENSIONS, column_names, read_table
 
 
 @dataclass(frozen=True)
 class InputRows:
-    """The rows of a job. Exactly one of `prompts` / `messages` is set.
+    """The rows of a job. One of `prompts` / `messages` is set (both for an OpenAI Batch file,
+    whose rows are chat or completion requests: per row at most one of them is not None).
 
     ids: the input id column, or an int64 row index when there is none.
     prompts: text per row; None where the cell is null (the engine makes that an error row).
     messages: per row a list of {"role", "content"} dicts, or None where the cell is null.
     overrides: per-row values of input columns named like sampling fields (None: job default).
+    errors: rows found invalid while reading (row position -> why); they become error rows.
+    prompts_as_is: the prompts skip the chat template (OpenAI /v1/completions requests).
     """
 
     ids: pa.Array
@@ -34,26 +39,35 @@ class InputRows:
     overrides: dict[str, list]
     num_rows: int
     files: tuple[str, ...] = ()
+    errors: dict[int, str] = field(default_factory=dict)
+    prompts_as_is: bool = False
 
 
-def input_files(path: str) -> list[str]:
-    """The Parquet files named by input.path, sorted; ConfigError when there are none."""
+def _folder_files(path: str, fmt: str) -> list[str]:
+    """A folder's input files (hidden and _-prefixed ones skipped: _SUCCESS, _tmp): those of
+    the format's extensions; for auto, the .parquet files, else the JSON Lines, else the CSV."""
+    files = storage.walk_files(path)
+    kinds = {"auto": ("parquet", "jsonl", "csv"), "openai-batch": ("jsonl",)}.get(fmt, (fmt,))
+    for kind in kinds:
+        mine = [f for f in files if any(f.lower().endswith(ext)
+                                        for ext, k in EXTENSIONS.items() if k == kind)]
+        if mine:
+            return mine
+    other = "" if fmt != "auto" else " (nor .jsonl, .ndjson or .csv files)"
+    ext = ", ".join(e for e, k in EXTENSIONS.items() if k in kinds[:1])
+    raise ConfigError(f"input.path: the folder {path!r} holds no {ext} files{other}")
+
+
+def input_files(path: str, fmt: str = "auto") -> list[str]:
+    """The input files named by input.path, sorted; ConfigError when there are none."""
     if any(c in path for c in "*?["):
-        files = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
+        files = storage.glob(path)
         if not files:
             raise ConfigError(f"input.path: no files match {path!r}")
         return files
-    if os.path.isdir(path):
-        files = []
-        for root, dirs, names in os.walk(path):  # hidden and _-prefixed (_SUCCESS, _tmp) skipped
-            dirs[:] = [d for d in dirs if not d.startswith((".", "_"))]
-            files += [os.path.join(root, n) for n in names
-                      if n.endswith(".parquet") and not n.startswith((".", "_"))]
-        files.sort()
-        if not files:
-            raise ConfigError(f"input.path: the folder {path!r} holds no .parquet files")
-        return files
-    if not os.path.exists(path):
+    if storage.is_dir(path):
+        return _folder_files(path, fmt)
+    if not storage.exists(path):
         raise ConfigError(f"input.path: {path!r} does not exist")
     return [path]
 
@@ -61,19 +75,14 @@ def input_files(path: str) -> list[str]:
 def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigError:
     close = difflib.get_close_matches(column, names, n=1)
     hint = f"; did you mean {close[0]}?" if close else f"; columns are: {', '.join(names)}"
+    if {"custom_id", "body"} <= set(names):
+        hint += "; this looks like an OpenAI Batch file: set input.format: openai-batch"
     return ConfigError(f"{field}: column {column!r} not found in {file}{hint}")
 
 
-def _read(file: str, wanted: list[str | None], row_groups: list[int] | None = None) -> pa.Table:
-    try:
-        pf = pq.ParquetFile(file)
-        names = pf.schema_arrow.names
-        columns = [c for c in dict.fromkeys(wanted) if c in names]
-        if row_groups is not None:
-            return pf.read_row_groups(row_groups, columns=columns)
-        return pf.read(columns=columns)
-    except (OSError, pa.ArrowException) as e:
-        raise ConfigError(f"input.path: cannot read {file} as Parquet: {e}") from None
+def _read(file: str, cfg: InputConfig, wanted: list[str | None],
+          row_groups: list[int] | None = None) -> pa.Table:
+    return read_table(file, cfg.format, wanted, [_text_field(cfg)[0]], row_groups)
 
 
 def _check_string(t: pa.DataType, field: str, name: str) -> None:
@@ -112,7 +121,7 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
     having = [name in t.column_names for t in tables] if name else [False]
     if name and not all(having) and (name != "id" or any(having)):
         file = files[having.index(False)]
-        raise _missing("input.id_column", name, file, pq.read_schema(file).names)
+        raise _missing("input.id_column", name, file, column_names(file, cfg.format))
     if not name or not all(having):
         return pa.array(range(num_rows), pa.int64())
     ids = _plain(table.column(name).combine_chunks())
@@ -215,9 +224,9 @@ def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ..
 def _read_file(file: str, cfg: InputConfig, sampling_fields: tuple[str, ...],
                row_groups: list[int] | None = None) -> pa.Table:
     text, field = _text_field(cfg)
-    table = _read(file, [cfg.id_column, text, *sampling_fields], row_groups)
+    table = _read(file, cfg, [cfg.id_column, text, *sampling_fields], row_groups)
     if text not in table.column_names:
-        raise _missing(field, text, file, pq.read_schema(file).names)
+        raise _missing(field, text, file, column_names(file, cfg.format))
     return table
 
 
@@ -229,10 +238,28 @@ def _concat(tables: list[pa.Table]) -> pa.Table:
 
 
 def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
-    """Read every input row. Missing files or columns, unreadable Parquet, duplicate or null ids
-    and per-row sampling columns of the wrong type raise ConfigError naming the file or field."""
-    files = input_files(cfg.path)
+    """Read every input row. Missing files or columns, unreadable files, duplicate or null ids
+    and per-row sampling columns of the wrong type raise ConfigError naming the file or field.
+    (An OpenAI Batch file's invalid lines are error rows instead: rows/openai_batch.py.)"""
+    files = input_files(cfg.path, cfg.format)
+    if cfg.format == "openai-batch":
+        return _read_batch(files, sampling_fields)
     tables = [_read_file(file, cfg, sampling_fields) for file in files]
     table = _concat(tables)
     ids = _ids(table, cfg, files, tables, table.num_rows)
     return _rows(table, ids, cfg, tuple(files), sampling_fields)
+
+
+def _read_batch(files: list[str], sampling_fields: tuple[str, ...]) -> InputRows:
+    """OpenAI Batch files: ids are the custom_ids."""
+    texts = []
+    for file in files:
+        try:
+            with storage.open_bytes(file) as f:
+                texts.append((file, f.read().splitlines()))
+        except OSError as e:
+            raise ConfigError(f"input.path: cannot read {file}: {e}") from None
+    b = parse_batch(texts, sampling_fields)
+    return InputRows(ids=pa.array(b.ids, pa.string()), prompts=b.prompts, messages=b.messages,
+                     overrides=b.overrides, num_rows=len(b.ids), files=tuple(files),
+                     errors=b.errors, prompts_as_is=True)

@@ -1,11 +1,16 @@
 """Rows out: checkpoint parts while the job runs, then one final Parquet in input order.
 
 Parts live in "<output>.parts/part-00000.parquet", ... (with a writer tag, as Ray workers use:
-"part-00000-w1.parquet", so that writers sharing the folder never pick the same name); each holds
-finished rows with their input row index ("row") and, in its key-value metadata, the job's
-fingerprint as JSON, so a resumed job only trusts parts written by the same job. Every file is
-written to a temporary name, synced, then renamed (os.replace): a reader never sees a
-half-written part, final file or metrics file.
+"part-00000-w1.parquet", so that writers sharing the folder never pick the same name; on object
+storage, which has no rename, each writer adds a random token too); each holds finished rows with
+their input row index ("row") and, in its key-value metadata, the job's fingerprint as JSON, so a
+resumed job only trusts parts written by the same job. Every file is written whole or not at all
+(storage.write_atomic): a reader never sees a half-written part, final file or metrics file.
+
+A part that cannot be read, lacks the part columns, or was written by another job is moved aside
+to "<output>.discarded/" (never deleted) and its rows run again; `discarded` lists them. When no
+part at all belongs to this job, the job itself changed since the checkpoint: that is a
+ConfigError (use output.mode: overwrite), not a reason to quietly run everything again.
 """
 
 from __future__ import annotations
@@ -13,9 +18,10 @@ from __future__ import annotations
 import json
 import math
 import os
-import shutil
+import secrets
 import time
-from typing import Any, NamedTuple
+from collections.abc import Callable
+from typing import IO, Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
@@ -23,6 +29,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm.config import ConfigError
+from batchllm.rows import storage
 from batchllm.rows.record import ERROR, Row
 
 FINGERPRINT_KEY = b"batchllm.fingerprint"
@@ -39,6 +46,14 @@ _PART_FIELDS = [
     pa.field("prompt", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32())),
 ]
+
+
+class Discarded(NamedTuple):
+    """A part moved aside on resume: where it was, where it is now, and why."""
+
+    path: str
+    moved_to: str
+    why: str
 
 
 class Finalized(NamedTuple):
@@ -67,20 +82,18 @@ def _canonical(d: dict) -> str:
     return json.dumps(d, sort_keys=True, default=str)
 
 
-def _write_atomic(path: str, write) -> None:
-    """write(file object) into path + ".tmp", fsync, then rename over path."""
-    tmp = f"{path}.tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    if hasattr(os, "O_DIRECTORY"):  # make the rename itself survive a power loss
-        fd = os.open(os.path.dirname(path) or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+def _schema_problem(schema: pa.Schema) -> str | None:
+    """Why a part's columns are not those of a part, or None."""
+    names = set(schema.names)
+    missing = [f.name for f in _PART_FIELDS if f.name not in names] + (
+        [] if "id" in names else ["id"])
+    if missing:
+        return f"lacks the column(s) {', '.join(missing)}"
+    for f in _PART_FIELDS:
+        t = schema.field(f.name).type
+        if t != f.type and not pa.types.is_null(t):
+            return f"has column {f.name} of type {t}, expected {f.type}"
+    return None
 
 
 def output_schema(id_type: pa.DataType, include_prompt: bool = False,
@@ -106,9 +119,12 @@ class CheckpointWriter:
         """tag: appended to this writer's part names ("-w1"): letters, digits, '-' and '_'."""
         if not all(c.isascii() and (c.isalnum() or c in "-_") for c in tag):
             raise ValueError(f"part tag must be letters, digits, '-' or '_', got {tag!r}")
-        self.tag = tag
         self.output_path = os.fspath(output_path)
+        if storage.is_remote(self.output_path):  # no rename there: names no other writer picks
+            tag = f"{tag}-{secrets.token_hex(4)}"
+        self.tag = tag
         self.parts_dir = self.output_path + ".parts"
+        self.discarded_dir = self.output_path + ".discarded"
         self.fingerprint = fingerprint
         self._fingerprint_json = _canonical(fingerprint)
         self.flush_rows = flush_rows
@@ -116,6 +132,8 @@ class CheckpointWriter:
         self._rows: list[dict] = []  # part_row of each finished row not yet in a part
         self._last_flush = time.monotonic()
         self._next_part: int | None = None
+        self.rows_flushed = 0  # rows this writer has written to parts
+        self.discarded: list[Discarded] = []  # parts moved aside (bad, or of another job)
 
     # -- while running ---------------------------------------------------------------------
     def add(self, row: Row) -> None:
@@ -135,7 +153,7 @@ class CheckpointWriter:
         self._last_flush = time.monotonic()
         if not rows:
             return
-        os.makedirs(self.parts_dir, exist_ok=True)
+        storage.makedirs(self.parts_dir)
         if self._next_part is None:
             self._next_part = 1 + max((int(n[5:10]) for n in self._part_names()), default=-1)
         index, self._next_part = self._next_part, self._next_part + 1
@@ -143,15 +161,14 @@ class CheckpointWriter:
         columns["id"] = pa.array([r["id"] for r in rows])
         table = pa.table(columns).replace_schema_metadata(
             {FINGERPRINT_KEY: self._fingerprint_json.encode()})
-        path = os.path.join(self.parts_dir, f"part-{index:05d}{self.tag}.parquet")
-        _write_atomic(path, lambda f: pq.write_table(table, f))
+        path = storage.join(self.parts_dir, f"part-{index:05d}{self.tag}.parquet")
+        storage.write_atomic(path, lambda f: pq.write_table(table, f))
+        self.rows_flushed += len(rows)
 
     # -- resume ------------------------------------------------------------------------------
     def _part_names(self) -> list[str]:
-        if not os.path.isdir(self.parts_dir):
-            return []
-        return sorted(n for n in os.listdir(self.parts_dir)
-                      if n.startswith("part-") and n.endswith(".parquet"))
+        return [n for n in storage.list_dir(self.parts_dir)
+                if n.startswith("part-") and n.endswith(".parquet")]
 
     def has_checkpoint(self) -> bool:
         """Whether parts of an earlier run exist."""
@@ -159,28 +176,47 @@ class CheckpointWriter:
 
     def clear(self) -> None:
         """Remove the parts folder (output.mode overwrite starts from nothing)."""
-        shutil.rmtree(self.parts_dir, ignore_errors=True)
+        storage.remove_tree(self.parts_dir)
         self._next_part = None
 
+    def _discard(self, name: str, why: str) -> None:
+        """Move a part aside (never delete it: it may be someone's only copy)."""
+        path = storage.join(self.parts_dir, name)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        moved_to = storage.join(self.discarded_dir, f"{name[:-len('.parquet')]}.{stamp}.parquet")
+        storage.move(path, moved_to)
+        self.discarded.append(Discarded(path, moved_to, why))
+
     def _read_parts(self, columns: list[str] | None = None) -> list[pa.Table]:
-        tables = []
+        """The parts of this job; bad ones and other jobs' are moved aside (module docstring)."""
+        tables, foreign = [], []
         for name in self._part_names():
-            path = os.path.join(self.parts_dir, name)
             try:
-                pf = pq.ParquetFile(path)
+                pf = pq.ParquetFile(storage.arrow_source(storage.join(self.parts_dir, name)))
                 stored = (pf.schema_arrow.metadata or {}).get(FINGERPRINT_KEY, b"{}").decode()
-                table = pf.read(columns=columns)
-            except (OSError, pa.ArrowException):
-                continue  # a damaged part: its rows are simply run again
-            if stored != self._fingerprint_json:
-                raise ConfigError(_mismatch(self.parts_dir, json.loads(stored),
-                                            json.loads(self._fingerprint_json)))
-            tables.append(table)
+                problem = _schema_problem(pf.schema_arrow)
+                table = None if problem else pf.read(columns=columns)
+            except (OSError, pa.ArrowException) as e:
+                self._discard(name, f"cannot be read ({e})")
+                continue
+            if problem:
+                self._discard(name, problem)
+            elif stored != self._fingerprint_json:
+                foreign.append((name, stored))
+            else:
+                tables.append(table)
+        ours = json.loads(self._fingerprint_json)
+        if foreign and not tables:
+            raise ConfigError(_mismatch(self.parts_dir, _loads(foreign[0][1]), ours))
+        for name, stored in foreign:
+            differs = ", ".join(_differences(_loads(stored), ours)) or "?"
+            self._discard(name, f"was written by another job (differs in: {differs})")
         return tables
 
     def done_rows(self) -> set[int]:
-        """Row indices already in parts (plus any buffered). ConfigError when a part was
-        written by a job with a different fingerprint."""
+        """Row indices already in parts (plus any buffered); bad parts and other jobs' parts
+        are moved aside. ConfigError when the parts hold no part of this job but some of
+        another (the job changed since the checkpoint)."""
         done = {r["row"] for r in self._rows}
         for table in self._read_parts(["row"]):
             done.update(table.column("row").to_pylist())
@@ -188,10 +224,12 @@ class CheckpointWriter:
 
     # -- the end -------------------------------------------------------------------------------
     def finalize(self, id_type: pa.DataType, metadata: dict[str, str], include_prompt: bool,
-                 include_token_ids: bool, num_rows: int | None = None) -> Finalized:
+                 include_token_ids: bool, num_rows: int | None = None,
+                 write_final: Callable[[pa.Table, IO[bytes]], None] | None = None) -> Finalized:
         """Write the final file sorted by row, atomically, then remove the parts folder.
 
         With num_rows, check that rows 0..num_rows-1 are all there (RuntimeError if not).
+        write_final(table, file): writes the final table in another format (default Parquet).
         Returns the path and the rows written, error rows counted as they are written.
         """
         self.flush()
@@ -209,17 +247,28 @@ class CheckpointWriter:
             raise RuntimeError(f"finalize: {len(missing)} of {num_rows} rows are missing "
                                f"(e.g. {missing[:5].tolist()}), or rows beyond {num_rows - 1}")
         final = table.select(schema.names).cast(schema).replace_schema_metadata(metadata)
-        folder = os.path.dirname(self.output_path)
-        if folder:
-            os.makedirs(folder, exist_ok=True)
-        _write_atomic(self.output_path, lambda f: pq.write_table(final, f))
+        storage.makedirs(storage.dirname(self.output_path))
+        write = write_final or pq.write_table
+        storage.write_atomic(self.output_path, lambda f: write(final, f))
         self.clear()
         errors = pc.sum(pc.equal(final.column("finish_reason"), ERROR)).as_py() or 0
         return Finalized(self.output_path, final.num_rows, errors)
 
 
+def _loads(text: str) -> dict:
+    try:
+        d = json.loads(text)
+    except ValueError:
+        return {}
+    return d if isinstance(d, dict) else {}
+
+
+def _differences(theirs: dict, ours: dict) -> list[str]:
+    return sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+
+
 def _mismatch(where: str, theirs: dict, ours: dict) -> str:
-    keys = sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+    keys = _differences(theirs, ours)
     return (f"output.mode: the checkpoint in {where} was written by a different job (differs in: "
             f"{', '.join(keys) or '?'}); use output.mode: overwrite to start again")
 
@@ -238,6 +287,5 @@ def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> st
     """Write metrics as JSON to "<output>.metrics.json" atomically; returns that path.
     Non-finite floats become null (JSON has no NaN)."""
     path = os.fspath(output_path) + ".metrics.json"
-    text = json.dumps(_finite(metrics), indent=2, default=str) + "\n"
-    _write_atomic(path, lambda f: f.write(text.encode()))
+    storage.write_text(path, json.dumps(_finite(metrics), indent=2, default=str) + "\n")
     return path

@@ -23,6 +23,7 @@ from batchllm.model.weights import job_model
 from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress
+from batchllm.rows import storage
 from batchllm.rows.blocks import InputIndex
 from batchllm.rows.build import build_rows
 from batchllm.rows.reader import InputRows
@@ -42,18 +43,18 @@ class _PartsWatcher:
 
     def __init__(self, writer: CheckpointWriter, bar: Progress) -> None:
         self.dir, self.bar = writer.parts_dir, bar
-        self.seen = set(os.listdir(self.dir)) if os.path.isdir(self.dir) else set()
+        self.seen = set(storage.list_dir(self.dir))
 
     def poll(self) -> None:
-        if not os.path.isdir(self.dir):
-            return
-        for name in sorted(set(os.listdir(self.dir)) - self.seen):
+        for name in sorted(set(storage.list_dir(self.dir)) - self.seen):
             if name.endswith(".parquet"):
                 try:
-                    self.bar.bar.update(pq.read_metadata(os.path.join(self.dir, name)).num_rows)
+                    source = storage.arrow_source(storage.join(self.dir, name))
+                    self.bar.add_rows(pq.read_metadata(source).num_rows)
                 except OSError:
                     continue  # renamed away or damaged: look again next time
             self.seen.add(name)
+        self.bar.tick()
 
 
 def _shard(job: JobShards, k: int, done: set[int], rows: list[Row]) -> Shard:
@@ -78,7 +79,7 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
     model = cfg.model
     if os.path.isdir(model.path):
         model = dataclasses.replace(model, path=os.path.abspath(model.path))
-    output = dataclasses.replace(cfg.output, path=os.path.abspath(cfg.output.path))
+    output = dataclasses.replace(cfg.output, path=storage.absolute(cfg.output.path))
     return dataclasses.replace(cfg, model=model, output=output)
 
 

@@ -24,7 +24,12 @@ from pathlib import Path
 import torch
 
 _HERE = Path(__file__).parent
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC", "-shared")
+_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC")
+# Compiled and linked in two steps: -ffast-math at link time adds crtfastmath.o to a shared
+# library too (GCC < 13), whose constructor sets flush-to-zero and denormals-are-zero for the
+# whole process when the library loads, so every float op of torch and numpy in it flushed
+# subnormals to zero (seen: hypothesis refusing to draw floats after a model had loaded).
+_LINK = ("-shared",)
 
 
 def _torch_omp() -> Path | None:
@@ -44,11 +49,13 @@ def _cpu_id() -> str:
 def _build(name: str, compiler: str) -> Path:
     source = _HERE / f"{name}.c"
     omp = _torch_omp()
-    flags = list(_FLAGS) + (["-fopenmp", f"-Wl,-rpath,{omp}"] if omp else [])
+    openmp = ["-fopenmp"] if omp else []
+    flags = [*_FLAGS, *openmp]
+    link = [*_LINK, *openmp, *([f"-Wl,-rpath,{omp}"] if omp else [])]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
     texts = [p.read_text() for p in [source, *sorted(_HERE.glob("*.h"))]]
-    key = hashlib.sha256("\0".join([*texts, *flags, version, platform.machine(),
+    key = hashlib.sha256("\0".join([*texts, *flags, *link, version, platform.machine(),
                                     _cpu_id()]).encode()).hexdigest()[:16]
     env = os.environ.get("BATCHLLM_CACHE")
     folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "kernels"
@@ -61,8 +68,15 @@ def _build(name: str, compiler: str) -> Path:
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         try:
-            subprocess.run([compiler, *flags, str(source), "-o", tmp], check=True,
-                           capture_output=True, text=True)
+            obj = tmp + ".o"
+            try:
+                subprocess.run([compiler, *flags, "-c", str(source), "-o", obj], check=True,
+                               capture_output=True, text=True)
+                subprocess.run([compiler, obj, *link, "-o", tmp], check=True,
+                               capture_output=True, text=True)
+            finally:
+                if os.path.exists(obj):
+                    os.remove(obj)
             os.replace(tmp, target)  # atomic: another process may build the same key
         finally:
             if os.path.exists(tmp):

@@ -11,7 +11,8 @@ def run_batchllm(settings: dict) -> dict:
     import batchllm
 
     llm = batchllm.LLM(settings["model"], **settings["engine_kwargs"])
-    params = [batchllm.SamplingParams(max_tokens=m, temperature=0.0, ignore_eos=True)
+    params = [batchllm.SamplingParams(max_tokens=m, temperature=0.0,
+                                      ignore_eos=not settings["eos"])
               for m in settings["max_tokens"]]
     start = time.perf_counter()
     outs = llm.generate(settings["prompts"], params)

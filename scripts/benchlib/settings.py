@@ -11,19 +11,21 @@ from pathlib import Path
 
 import torch
 
-from batchllm.model.weights import load_tokenizer, resolve_model
+from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
 
 from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
 from .batchllm_run import run_batchllm
-from .workload import contract_workload, read_workload
+from .vllm_run import run_vllm
+from .workload import read_workload, workload_file
 
-SETTINGS = ("hf-static", "hf-continuous", "batchllm-sharing", "batchllm-no-sharing")
+SETTINGS = ("hf-static", "hf-continuous", "vllm", "batchllm-sharing", "batchllm-no-sharing")
 
 
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
-    """Per setting: whether the command line skips it."""
+    """Per setting: whether the command line skips it (vllm runs only with --vllm-python)."""
     return {"hf-static": args.skip_hf or args.skip_hf_static,
             "hf-continuous": args.skip_hf or args.skip_hf_continuous,
+            "vllm": args.vllm_python is None,
             "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm}
 
 
@@ -35,16 +37,20 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
     folder = resolve_model(args.model)
     tokenizer = load_tokenizer(folder)
     with tempfile.TemporaryDirectory() as tmp:
-        path = args.workload or contract_workload(Path(tmp) / "contract.parquet")
+        path = workload_file(args.workload, Path(tmp))
         work = read_workload(path, tokenizer, args.rows, args.max_tokens)
     prompts, max_tokens, prompt_tokens = work.prompts, work.max_tokens, work.prompt_tokens
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # --eos: stop at the tokens the engine stops at (generation_config's and the tokenizer's)
+    eos = eos_token_ids(folder, load_config(folder), tokenizer) if args.eos else None
     load = os.getloadavg()[0]
     if load > (os.cpu_count() or 1):
         print(f"bench: WARNING load average {load:.1f} > {os.cpu_count()} cores: other processes "
               "are running, figures will be unreliable", file=sys.stderr)
-    print(f"workload: {len(prompts)} rows, {prompt_tokens} prompt tokens, {sum(max_tokens)} "
-          f"output tokens, model {args.model}, device {args.device}, threads "
+    ends = "end-of-sequence honoured" if args.eos else "end-of-sequence ignored"
+    print(f"workload: {len(prompts)} rows, {prompt_tokens} prompt tokens, at most "
+          f"{sum(max_tokens)} output tokens ({ends}), model {args.model}, device {args.device}, "
+          f"threads "
           f"{torch.get_num_threads()}", file=sys.stderr)
 
     wanted = {args.only} if args.only is not None else set(SETTINGS)
@@ -54,14 +60,19 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
         model = load_hf_model(folder, args.device)
         if not skip["hf-static"]:
             runs.append(("hf-static",
-                         lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size)))
+                         lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size,
+                                           eos)))
         if not skip["hf-continuous"] and has_continuous_batching(model):
             runs.append(("hf-continuous",
-                         lambda: hf_continuous(model, prompts, max_tokens, pad_id)))
+                         lambda: hf_continuous(model, prompts, max_tokens, pad_id, eos)))
+    if not skip["vllm"] and "vllm" in wanted:
+        job = {"model": str(folder), "prompts": prompts, "max_tokens": max_tokens,
+               "eos": args.eos}
+        runs.append(("vllm", lambda: run_vllm(args.vllm_python, job)))
     if not args.skip_batchllm and wanted & {"batchllm-sharing", "batchllm-no-sharing"}:
         for sharing in (True, False):
             settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
-                        "prompt_tokens": prompt_tokens,
+                        "prompt_tokens": prompt_tokens, "eos": args.eos,
                         "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
                                           "device": args.device, "dtype": "float32"}}
             name = "batchllm-sharing" if sharing else "batchllm-no-sharing"

@@ -42,6 +42,18 @@ def contract_workload(out: Path) -> Path:
     return out
 
 
+def workload_file(name: Path | None, tmp: Path) -> Path:
+    """The Parquet the bench runs: a file given by --workload, or a built-in one written into
+    `tmp`: the contract workload (none given) or `short` (benchlib/short_workload.py)."""
+    if name is None:
+        return contract_workload(tmp / "contract.parquet")
+    if str(name) == "short":
+        from .short_workload import write_short_workload
+
+        return write_short_workload(tmp / "short.parquet")
+    return name
+
+
 def read_workload(path: Path, tokenizer, rows: int | None, default_max_tokens: int) -> Workload:
     """The first `rows` rows (all: None) of a Parquet with id, messages | prompt, max_tokens.
 

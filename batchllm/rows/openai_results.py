@@ -1,0 +1,77 @@
+"""The OpenAI Batch results file (output.format: openai-batch): one JSON line per input row, in
+input order.
+
+A row that ran: `{"id", "custom_id", "response": {"status_code": 200, "request_id", "body"},
+"error": null}`, the body shaped as the endpoint answers (chat.completion with a message, or
+text_completion with text), with `choices` (one per sample), `finish_reason` and `usage`
+(prompt_tokens_details.cached_tokens: the prompt tokens taken from a shared prefix). A row that
+failed: `"response": null, "error": {"code", "message"}`. Ids are derived from the model and the
+custom_id, so a resumed job writes the same ids.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from typing import IO, Any
+
+import pyarrow as pa
+
+from batchllm.rows.record import ERROR
+
+
+def _hex(*parts: object) -> str:
+    return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=12).hexdigest()
+
+
+def _choice(kind: str, index: int, line: dict) -> dict:
+    choice: dict[str, Any] = {"index": index}
+    if kind == "chat":
+        choice["message"] = {"role": "assistant", "content": line["completion"]}
+    else:
+        choice["text"] = line["completion"]
+    # hook: the `logprobs` output column (sampling.logprobs), once it exists, goes here
+    choice["logprobs"] = None
+    choice["finish_reason"] = line["finish_reason"]
+    return choice
+
+
+def result_line(kind: str, samples: list[dict], model: str, created: int) -> dict:
+    """One results line from the output rows of one input row (one per sample, in order)."""
+    first = samples[0]
+    custom_id = str(first["id"])
+    line: dict[str, Any] = {"id": f"batch_req_{_hex(model, custom_id)}", "custom_id": custom_id}
+    if first["finish_reason"] == ERROR:
+        return {**line, "response": None,
+                "error": {"code": "request_failed", "message": first["error"]}}
+    completion = sum(s["completion_tokens"] for s in samples)
+    body = {
+        "id": f"{'chatcmpl' if kind == 'chat' else 'cmpl'}-{_hex('body', model, custom_id)}",
+        "object": "chat.completion" if kind == "chat" else "text_completion",
+        "created": created,
+        "model": model,
+        "choices": [_choice(kind, s.get("sample", k), s) for k, s in enumerate(samples)],
+        "usage": {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
+                  "total_tokens": first["prompt_tokens"] + completion,
+                  "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}},
+    }
+    return {**line, "response": {"status_code": 200,
+                                 "request_id": f"req_{_hex('req', model, custom_id)}",
+                                 "body": body},
+            "error": None}
+
+
+def write_results(table: pa.Table, f: IO[bytes], kinds: list[str] | str, model: str,
+                  created: int) -> None:
+    """The final table (input order; with a `sample` column, consecutive rows of one id are its
+    samples) as results lines. kinds: per input row, or for all rows, "chat" or "completion"."""
+    lines = table.to_pylist()
+    row, k = 0, 0
+    while k < len(lines):
+        end = k + 1
+        while end < len(lines) and "sample" in lines[end] and lines[end]["id"] == lines[k]["id"]:
+            end += 1
+        kind = kinds if isinstance(kinds, str) else kinds[row]
+        out = result_line(kind, lines[k:end], model, created)
+        f.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
+        row, k = row + 1, end

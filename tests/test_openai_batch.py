@@ -1,0 +1,177 @@
+"""OpenAI Batch files: requests in (input.format: openai-batch), results out (output.format:
+openai-batch); invalid lines become error rows naming the line and the field."""
+
+from __future__ import annotations
+
+import io
+import json
+from pathlib import Path
+
+import pyarrow as pa
+import pytest
+from hf_reference import tiny_model_folder
+from job_files import run_cli
+
+from batchllm.config import SAMPLING_FIELDS, InputConfig, SamplingConfig
+from batchllm.model.weights import job_model
+from batchllm.rows.build import build_rows
+from batchllm.rows.openai_batch import parse_batch
+from batchllm.rows.openai_results import write_results
+from batchllm.rows.reader import read_input
+
+CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
+SCHEMA = {"type": "object", "properties": {"label": {"enum": ["yes", "no"]}},
+          "required": ["label"]}
+
+
+def _line(custom_id: str, url: str, **body) -> str:
+    return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
+
+
+def _batch_file() -> list[str]:
+    """20 lines: 10 chat, 7 completions, one chat with response_format, two invalid."""
+    lines = []
+    for i in range(10):
+        msgs = [{"role": "user", "content": f"Does clause {i} allow termination?"}]
+        if i % 3 == 0:
+            msgs.insert(0, {"role": "system", "content": "Answer in one word."})
+        if i % 3 == 1:
+            msgs[-1]["content"] = [{"type": "text", "text": f"Clause {i}:"},
+                                   {"type": "text", "text": "who pays?"}]
+        lines.append(_line(f"chat-{i}", CHAT, model="gpt-4o-mini", messages=msgs,
+                           max_completion_tokens=3 + i % 3, temperature=0.7, seed=i))
+    for i in range(7):
+        lines.append(_line(f"cmpl-{i}", COMPLETIONS, model="x", max_tokens=4,
+                           prompt=f"Clause {i}. The tenant shall" if i % 2 else
+                           [f"Section {i} says"], stop=["\n\n"]))
+    response_format = {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMA}}
+    lines.insert(12, _line("structured", CHAT, messages=[{"role": "user", "content": "Yes?"}],
+                           max_tokens=5, response_format=response_format))
+    lines.insert(5, '{"custom_id": "broken", "method": "POST", "url": ')  # line 6
+    lines.insert(15, _line("hot", CHAT, messages=[{"role": "user", "content": "Hi"}],
+                           temperature="hot"))  # line 16
+    assert len(lines) == 20
+    return lines
+
+
+def test_lines_map_onto_rows_and_sampling():
+    b = parse_batch([("batch.jsonl", _batch_file())], SAMPLING_FIELDS)
+    assert len(b.ids) == 20 and b.ids[5] == "line-6" and b.ids[15] == "hot"
+    assert b.errors[5].startswith("line 6: not valid JSON")
+    assert b.errors[15] == "line 16: body.temperature: expected a number >= 0, got 'hot'"
+    assert b.messages[0] == [{"role": "system", "content": "Answer in one word."},
+                             {"role": "user", "content": "Does clause 0 allow termination?"}]
+    assert b.messages[1] == [{"role": "user", "content": "Clause 1:\nwho pays?"}]
+    assert b.prompts[0] is None and b.prompts[11] == "Section 0 says"  # a list of one prompt
+    assert b.overrides["max_tokens"][:3] == [3, 4, 5] and b.overrides["seed"][2] == 2
+    assert b.overrides["temperature"][0] == 0.7 and b.overrides["stop"][11] == ("\n\n",)
+    structured = b.ids.index("structured")
+    if "json_schema" in SAMPLING_FIELDS:
+        assert json.loads(b.overrides["json_schema"][structured]) == SCHEMA
+    else:  # the hook: an error until sampling.json_schema exists
+        assert "sampling.json_schema is not supported by this batchllm yet" in b.errors[
+            structured]
+
+
+@pytest.mark.parametrize("line, error", [
+    ({"custom_id": "a", "method": "GET", "url": CHAT, "body": {}}, "method: expected POST"),
+    ({"custom_id": "a", "method": "POST", "url": "/v1/embeddings", "body": {}}, "url: expected"),
+    ({"custom_id": "a", "method": "POST", "url": CHAT, "body": {"messages": []}},
+     "body.messages: expected a non-empty list"),
+    ({"custom_id": "a", "method": "POST", "url": CHAT,
+      "body": {"messages": [{"role": "user", "content": [{"type": "image_url"}]}]}},
+     "body.messages[0].content[0]: only text parts are supported"),
+    ({"custom_id": "a", "method": "POST", "url": COMPLETIONS, "body": {"prompt": [1, 2]}},
+     "body.prompt: expected a string"),
+    ({"custom_id": "a", "method": "POST", "url": CHAT,
+      "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}},
+     "body.tools: not supported by batchllm"),
+    ({"custom_id": "a", "method": "POST", "url": COMPLETIONS,
+      "body": {"prompt": "x", "max_tokens": 0}}, "body.max_tokens: expected an integer >= 1"),
+    ({"custom_id": "", "method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}},
+     "custom_id: expected a non-empty string"),
+    ([1, 2], "line: expected a JSON object"),
+])
+def test_invalid_lines_name_line_and_field(line, error):
+    ok = _line("first", COMPLETIONS, prompt="fine")
+    b = parse_batch([("f", [ok, "", json.dumps(line)])], SAMPLING_FIELDS)
+    assert list(b.errors) == [1] and b.errors[1].startswith(f"line 3: {error}")
+    assert b.ids[0] == "first" and 0 not in b.errors
+
+
+def test_duplicate_custom_id_is_an_error_row():
+    b = parse_batch([("f", [_line("a", COMPLETIONS, prompt="x")] * 2)], SAMPLING_FIELDS)
+    assert b.ids == ["a", "line-2"] and b.errors == {
+        1: "line 2: custom_id: 'a' is used by an earlier line"}
+
+
+def test_build_rows_templates_chat_rows_only(tmp_path):
+    path = tmp_path / "batch.jsonl"
+    path.write_text("\n".join(_batch_file()) + "\n")
+    cfg = InputConfig(path=str(path), format="openai-batch")
+    source = read_input(cfg)
+    assert source.ids.type == pa.string() and source.num_rows == 20
+    tokenizer, _ = job_model(str(tiny_model_folder("llama")), None)
+    rows = build_rows(tokenizer, cfg, SamplingConfig(max_tokens=9), source)
+    chat, cmpl = rows[0], rows[11]
+    assert chat.prompt.startswith("<|im_start|>system\nAnswer in one word.")
+    assert cmpl.prompt == "Section 0 says"  # sent as it is, no template
+    assert cmpl.prompt_ids.tolist() == tokenizer("Section 0 says")["input_ids"]
+    assert chat.sampling.max_tokens == 3 and chat.sampling.temperature == 0.7
+    assert cmpl.sampling.max_tokens == 4 and cmpl.sampling.stop == ("\n\n",)
+    assert rows[5].error.startswith("line 6: not valid JSON") and rows[5].finish_reason == "error"
+
+
+def test_results_lines_have_openai_shape():
+    table = pa.table({"id": ["a", "b"], "completion": ["Yes.", None],
+                      "finish_reason": ["stop", "error"], "prompt_tokens": [7, 3],
+                      "completion_tokens": [2, 0], "cached_tokens": [4, 0],
+                      "error": [None, "line 2: body.prompt: expected a string"]})
+    buf = io.BytesIO()
+    write_results(table, buf, ["chat", "completion"], "tiny", 1700000000)
+    ok, bad = [json.loads(x) for x in buf.getvalue().decode().splitlines()]
+    assert ok["custom_id"] == "a" and ok["error"] is None and ok["id"].startswith("batch_req_")
+    body = ok["response"]["body"]
+    assert ok["response"]["status_code"] == 200 and body["object"] == "chat.completion"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "Yes."},
+                                "logprobs": None, "finish_reason": "stop"}]
+    assert body["usage"] == {"prompt_tokens": 7, "completion_tokens": 2, "total_tokens": 9,
+                             "prompt_tokens_details": {"cached_tokens": 4}}
+    assert bad == {"id": bad["id"], "custom_id": "b", "response": None, "error": {
+        "code": "request_failed", "message": "line 2: body.prompt: expected a string"}}
+
+
+def test_batch_file_round_trips_through_a_job(tmp_path: Path):
+    (tmp_path / "batch.jsonl").write_text("\n".join(_batch_file()) + "\n")
+    job = {"name": "openai", "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},
+           "input": {"path": str(tmp_path / "batch.jsonl"), "format": "openai-batch"},
+           "output": {"path": str(tmp_path / "out" / "results.jsonl"), "format": "openai-batch"},
+           "sampling": {"max_tokens": 6}, "engine": {"kv_cache_memory": "64MiB"}}
+    (tmp_path / "job.yaml").write_text(json.dumps(job))
+    proc = run_cli("run", str(tmp_path / "job.yaml"), "--quiet")
+    assert proc.returncode == 3, proc.stderr  # finished, with error rows
+    results = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
+    wanted = [json.loads(x)["custom_id"] if i != 5 else "line-6"
+              for i, x in enumerate(_batch_file())]
+    assert [r["custom_id"] for r in results] == wanted  # each once, in input order
+    errors = {r["custom_id"]: r["error"]["message"] for r in results if r["error"]}
+    expected_errors = {"line-6", "hot"} | (set() if "json_schema" in SAMPLING_FIELDS
+                                           else {"structured"})
+    assert set(errors) == expected_errors
+    assert errors["hot"] == "line 16: body.temperature: expected a number >= 0, got 'hot'"
+    assert errors["line-6"].startswith("line 6: not valid JSON")
+    for r in results:
+        if r["error"]:
+            assert r["response"] is None
+            continue
+        body = r["response"]["body"]
+        chat = r["custom_id"].startswith(("chat", "structured"))
+        assert body["object"] == ("chat.completion" if chat else "text_completion")
+        choice, = body["choices"]
+        text = choice["message"]["content"] if chat else choice["text"]
+        assert isinstance(text, str) and choice["finish_reason"] in ("stop", "length")
+        usage = body["usage"]
+        assert usage["total_tokens"] == usage["prompt_tokens"] + usage["completion_tokens"]
+        assert 1 <= usage["completion_tokens"] <= 6
+    chat0 = next(r for r in results if r["custom_id"] == "chat-0")
+    assert chat0["response"]["body"]["usage"]["completion_tokens"] <= 3  # its own max tokens
