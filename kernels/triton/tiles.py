@@ -113,16 +113,17 @@ def store_tile(
 def launch_options(dtype: torch.dtype, kernel: object, block_m: int, head_dim: int) -> dict:
     """Key block, dot precision, warps and pipelining of a tile of block_m rows. float32: exact
     products (no TF32) and smaller key blocks, which keep its shared memory under 100 KB and its
-    compile time short. 16-bit 64-row tiles of head size 128 take 8 warps: with 4, sm_80's
-    registers spill (56-80 bytes, scripts/compile_check.py). DOT_F32: bfloat16 products
-    upcast, in the interpreter only (launch.dot_f32)."""
+    compile time short; 8 warps for 64-row tiles and head sizes over 64 (4 spilled up to 40 KB).
+    16-bit 64-row tiles of head size 128 take 32-key blocks: with 64, sm_80's registers spilled
+    (8-160 bytes with 4 or 8 warps, 2 or 3 stages; scripts/compile_check.py's full matrix).
+    DOT_F32: bfloat16 products upcast, in the interpreter only (launch.dot_f32)."""
     f32 = {"DOT_F32": dot_f32(kernel, dtype)}
     if dtype == torch.float32:
         warps = 8 if block_m >= 64 or head_dim > 64 else 4
         return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": warps, "num_stages": 2,
                 **f32}
-    warps = 8 if block_m >= 64 and head_dim > 64 else 4
-    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": warps, "num_stages": 3, **f32}
+    block_n = 32 if block_m >= 64 and head_dim > 64 else 64
+    return {"BLOCK_N": block_n, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3, **f32}
 
 
 def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
