@@ -30,6 +30,7 @@ from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
 from batchllm.rows.reader import InputRows, read_input
+from batchllm.rows.samples import whole_rows
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import require_ray
@@ -181,9 +182,10 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
                 return json.load(f)
         except OSError:
             return {"rows": rows.num_rows, "rows_error": 0}
+    whole = whole_rows(done)  # the other keys of `done`: samples of rows not all done
     if prom is not None:
-        prom.update(rows=rows.num_rows, rows_done=len(done), rows_resumed=len(done))
-    bar = Progress(rows.num_rows, len(done), enabled=progress, every=every, prometheus=prom)
+        prom.update(rows=rows.num_rows, rows_done=whole, rows_resumed=whole)
+    bar = Progress(rows.num_rows, whole, enabled=progress, every=every, prometheus=prom)
     try:
         metrics = _run_rows(cfg, rows, writer, done, bar, resume)
         bar.close()
@@ -191,12 +193,12 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
                                   cfg.output.include_token_ids, rows.num_rows,
                                   _final_format(cfg, rows))
         metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
-                       rows_error=written.rows_error, rows_resumed=len(done), job=cfg.name,
+                       rows_error=written.rows_error, rows_resumed=whole, job=cfg.name,
                        parts_discarded=len(writer.discarded))
         write_metrics(cfg.output.path, metrics)
     except storage.WriteFailed as e:
         bar.close()
-        raise JobFailed(_write_failed(e, cfg, writer, len(done), resume)) from e
+        raise JobFailed(_write_failed(e, cfg, writer, whole, resume)) from e
     if prom is not None:
         prom.update(**metrics, rows_done=written.rows, kv_pages_in_use=0, waiting=0, running=0,
                     exit_status=3 if written.rows_error else 0,
@@ -218,7 +220,7 @@ def _run_rows(cfg: JobConfig, rows: InputRows | InputIndex, writer: CheckpointWr
     main_thread = threading.current_thread() is threading.main_thread()  # signals: main only
     previous = {s: signal.signal(s, interrupt) for s in handled} if main_thread else {}
     try:
-        if cfg.engine.workers > 1 and len(done) < rows.num_rows:  # else nothing to shard
+        if cfg.engine.workers > 1 and whole_rows(done) < rows.num_rows:  # else nothing to shard
             from batchllm.scale.driver import run_sharded  # imports ray
 
             return run_sharded(cfg, rows, writer, done, bar).to_dict()
@@ -273,7 +275,24 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     if isinstance(rows, InputRows) and rows.prompts_as_is:
         kinds = ["chat" if m is not None else "completion" for m in rows.messages]
     created = int(time.time())
-    return lambda table, f: write_results(table, f, kinds, cfg.model.path, created)
+    return lambda table, f: write_results(table, f, kinds, cfg.model.path, created,
+                                          _token_text(cfg))
+
+
+def _token_text(cfg: JobConfig):
+    """A token id's text, for the OpenAI results' log-probabilities; the tokenizer is loaded at
+    the first call (only a job with logprobs makes one)."""
+    tokenizer = None
+
+    def text(token_id: int) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            from batchllm.model.weights import load_tokenizer, resolve_model
+
+            tokenizer = load_tokenizer(resolve_model(cfg.model.path))
+        return tokenizer.decode([token_id])
+
+    return text
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

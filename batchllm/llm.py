@@ -7,7 +7,7 @@ prefix tree and run by the same runtime (batchllm/engine/runtime.py).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import pyarrow as pa
@@ -17,14 +17,37 @@ from batchllm.engine.runtime import EngineSettings, Runtime
 from batchllm.rows.build import build_rows
 from batchllm.rows.prompts import render_chats, tokenize
 from batchllm.rows.reader import InputRows
-from batchllm.rows.record import Row
+from batchllm.rows.record import Row, TokenLogprob
+from batchllm.rows.samples import SAMPLE_FIELDS, extra_fields
 from batchllm.rows.writer import output_schema, part_row
 from batchllm.sampling_params import SamplingParams
 
 
 @dataclass
+class CompletionOutput:
+    """One sample of a prompt (vLLM's CompletionOutput). index: the sample, 0..n-1;
+    logprobs: per generated token (token_id, logprob, top), when SamplingParams.logprobs > 0."""
+
+    index: int
+    text: str | None
+    token_ids: list[int]
+    finish_reason: str
+    cached_tokens: int
+    error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+
+    @classmethod
+    def of(cls, row: Row) -> CompletionOutput:
+        return cls(row.sample, row.completion, row.token_ids, row.finish_reason,
+                   row.cached_tokens, row.error, row.logprobs)
+
+
+@dataclass
 class RequestOutput:
-    """One prompt's result. finish_reason: stop, length or error (then `error` says why)."""
+    """One prompt's result. finish_reason: stop, length or error (then `error` says why).
+
+    The fields are the first sample's; `outputs` holds all SamplingParams.n samples in order
+    (outputs[0] is the first), as vLLM's RequestOutput.outputs does."""
 
     text: str | None
     token_ids: list[int]
@@ -32,11 +55,16 @@ class RequestOutput:
     prompt_tokens: int
     cached_tokens: int
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    outputs: list[CompletionOutput] = field(default_factory=list)
 
     @classmethod
-    def of(cls, row: Row) -> RequestOutput:
-        return cls(row.completion, row.token_ids, row.finish_reason, row.prompt_tokens,
-                   row.cached_tokens, row.error)
+    def of(cls, samples: list[Row]) -> RequestOutput:
+        """The output of one prompt from its sample records, in sample order."""
+        first = samples[0]
+        return cls(first.completion, first.token_ids, first.finish_reason, first.prompt_tokens,
+                   first.cached_tokens, first.error, first.logprobs,
+                   [CompletionOutput.of(r) for r in samples])
 
 
 class LLM:
@@ -88,7 +116,8 @@ class LLM:
     ):
         """A polars DataFrame in, the same frame out with the output columns added (completion,
         finish_reason, prompt_tokens, completion_tokens, cached_tokens, error: as in a job's
-        output file), row for row.
+        output file), row for row; with SamplingParams.n > 1 each row once per sample, with a
+        `sample` column, and with logprobs > 0 a `logprobs` column (as in a job's output).
 
         prompt="column": text prompts as `generate` takes them (chat_template=True: each one
         user message through the model's template, as a job's prompt_column). messages="column":
@@ -122,12 +151,14 @@ class LLM:
             raise ValueError(f"generate_frame: {len(sps)} sampling params for {len(rows)} rows")
         for row, sp in zip(rows, sps):
             row.sampling = sp
-        self.last_metrics = self.runtime.run(rows, lambda row: None).to_dict()
-        # hook: with sampling.n > 1 (samples per row), each input row gets n output rows
-        lines = [part_row(r) for r in rows]
-        added = pa.table({f.name: pa.array([x[f.name] for x in lines], f.type)
-                          for f in schema if f.name != "id"})
-        return df.hstack(pl.from_arrow(added).get_columns())
+        records = [r for got in self._run(rows) for r in got]
+        lines = [part_row(r) for r in records]
+        fields = [f for f in [*schema, *SAMPLE_FIELDS] if f.name != "id"]
+        added = pa.table({f.name: pa.array([x[f.name] for x in lines], f.type) for f in fields})
+        keep = [f.name for f in schema if f.name != "id"] + [f.name for f in extra_fields(added)]
+        if len(records) != len(rows):  # n > 1: each input row repeated once per sample
+            df = df.select(pl.all().gather([r.index for r in records]))
+        return df.hstack(pl.from_arrow(added.select(keep)).get_columns())
 
     @staticmethod
     def _sampling(sampling_params, n: int) -> list[SamplingParams]:
@@ -137,5 +168,11 @@ class LLM:
     def _generate(self, ids: list[np.ndarray], sampling_params) -> list[RequestOutput]:
         sps = self._sampling(sampling_params, len(ids))
         rows = [Row(i, i, t, s) for i, (t, s) in enumerate(zip(ids, sps))]
-        self.last_metrics = self.runtime.run(rows, lambda row: None).to_dict()
-        return [RequestOutput.of(r) for r in rows]
+        return [RequestOutput.of(got) for got in self._run(rows)]
+
+    def _run(self, rows: list[Row]) -> list[list[Row]]:
+        """Run rows (row i has index i); per row its sample records, in sample order. Every
+        record, the ones Runtime.run makes for samples 1..n-1 included, comes back via on_row."""
+        got: list[list[Row]] = [[] for _ in rows]
+        self.last_metrics = self.runtime.run(rows, lambda r: got[r.index].append(r)).to_dict()
+        return [sorted(g, key=lambda r: r.sample) for g in got]

@@ -4,6 +4,7 @@ With engine.workers > 1 it also shows the shards (planning is local: no Ray inst
 from __future__ import annotations
 
 from batchllm.config import load_job
+from batchllm.model.loader import describe_model
 from batchllm.model.weights import job_model
 from batchllm.rows.build import build_rows
 from batchllm.rows.reader import read_input
@@ -39,6 +40,7 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
         "predicted_peak_kv_pages": plan.predict_peak_pages(
             cfg.engine.page_size, cfg.engine.max_num_seqs),
         "page_size": cfg.engine.page_size,
+        **describe_model(cfg.model.path, cfg.model.dtype, cfg.model.device),
     }
     if cfg.engine.workers > 1:
         report["sharding"] = ("partition (rows cut by leading tokens; at run time Ray tasks "

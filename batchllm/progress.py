@@ -53,12 +53,18 @@ class Progress:
         self.rows_error = 0
         self.stats = EngineStats()
         self._last_postfix = self._last_line = self._last_prom = self.start
+        self._rows = 0.0  # rows done here, a sample of a row with n samples counting 1/n
+        self._shown = 0  # of them, those added to `done`
 
     def row_done(self, row: Row) -> None:
         self.prompt_tokens += row.prompt_tokens
         self.cached_tokens += row.cached_tokens
         self.rows_error += row.finish_reason == ERROR
-        self.add_rows(1)
+        self._rows += 1 / row.num_samples
+        whole = int(self._rows + 1e-6) - self._shown
+        if whole:
+            self._shown += whole
+            self.add_rows(whole)
 
     def add_rows(self, n: int) -> None:
         """n more rows done (a sharded job counts its workers' parts)."""

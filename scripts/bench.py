@@ -48,6 +48,9 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--whole-process", action="store_true",
                     help="time `batchllm run` and a transformers script as whole processes, "
                          "imports and model load included")
+    ap.add_argument("--json-schema", metavar="PATH|small",
+                    help="also run batchllm (prefix sharing on) with every row constrained to "
+                         "this JSON schema (`small`: scripts/benchlib/schema.py's)")
     ap.add_argument("--model", default="smollm2-135m-instruct")
     ap.add_argument("--rows", type=int, help="first N rows only")
     ap.add_argument("--max-tokens", type=int, default=64, help="when the workload has none")

@@ -15,7 +15,7 @@ float16 (float32 spills are reported), or a kernel of kernels/triton/ that no va
 
 A new kernel parameter is one more entry of COLUMNS (and its name in step_plans.PAGED_COLUMNS /
 PREFIX_COLUMNS when an attention launcher takes it as a keyword, as the sliding window and the
-soft cap will be).
+soft cap are).
 """
 
 from __future__ import annotations
@@ -50,6 +50,8 @@ COLUMNS: dict[str, tuple] = {
     "kv_heads": (2, 8),  # 2: Qwen2.5-0.5B's; 8: the Llama 3 models' (hidden sizes up to 8192)
     "page_size": (1, 16, 32),
     "step": STEPS,  # decode-only, mixed prefill + decode, prefill-only, shared-prefix groups
+    "window": (0, 4096),  # a sliding window (0: none); the shared-prefix step ignores it
+    "softcap": (0.0, 50.0),  # soft-capped scores (0: none)
 }
 SHARED_LIMIT = {90: 232_448, 80: 166_912}  # bytes of shared memory a block may use (opt-in)
 ARCH = {90: "sm_90a", 80: "sm_80"}

@@ -2,7 +2,7 @@
 launchers' own plan_* functions: what scripts/compile_check.py compiles for each variant.
 
 A variant is a dict of compile_check's COLUMNS (dtype, head_dim, group, kv_heads, page_size,
-step). The model is Hkv = kv_heads KV heads of head_dim, Hq = group * Hkv query heads, hidden
+step, window, softcap). The model is Hkv = kv_heads KV heads of head_dim, Hq = group * Hkv query heads, hidden
 size Hq * head_dim. Step kinds, as the runner (batchllm/engine/device_runner.py) launches them:
   decode   decode-only: every sequence in the decode tile, few and long ones split by key range
   mixed    prefill chunks and decodes: the decode tile, and the 64-row tiles skipping decodes
@@ -18,20 +18,21 @@ import pkgutil
 import torch
 
 import kernels.triton
+from kernels.triton.grouped_matmul import plan_grouped_matmul
 from kernels.triton.launch import Launch
 from kernels.triton.merge_states import plan_merge_states
 from kernels.triton.paged_attention import plan_paged_attention
 from kernels.triton.prefix_attention import plan_prefix_attention
 from kernels.triton.rms_norm import plan_add_rms_norm
 from kernels.triton.rotary import plan_rope_store
-from kernels.triton.silu_mul import plan_silu_mul
+from kernels.triton.gated_mul import plan_gated_mul
 from kernels.triton.store_kv import plan_store_kv
 
 STEPS = ("decode", "mixed", "prefill", "shared")
-# The variant's columns each attention launcher takes as keywords (issue 15's window and
-# softcap join these: paged ("window", "softcap"), prefix ("softcap",)).
-PAGED_COLUMNS: tuple[str, ...] = ()
-PREFIX_COLUMNS: tuple[str, ...] = ()
+# The variant's columns each attention launcher takes as keywords.
+PAGED_COLUMNS: tuple[str, ...] = ("window", "softcap")
+PREFIX_COLUMNS: tuple[str, ...] = ("softcap",)
+_EXPERTS, _TOP_K = 8, 2  # the MoE projections (prefill steps): rows per token, experts
 
 # (query rows, context length) per sequence; lengths odd and over several pages
 _SEQS = {
@@ -94,9 +95,16 @@ def step_plans(v: dict) -> list[Launch]:
             _empty(2, dtype=i32), d**-0.5, **{c: v[c] for c in PREFIX_COLUMNS})
         launches += pre + plan_merge_states(o_pre, lse_pre, o[:n], lse[:n],
                                             out=(o[:n], lse[:n]))[2]
-    launches += plan_silu_mul(_empty(t, 2 * inter, dtype=dtype))[1]
+    for gelu_tanh in (False, True):  # SiLU, and Gemma's GELU-tanh
+        launches += plan_gated_mul(_empty(t, 2 * inter, dtype=dtype), gelu_tanh)[1]
     if v["step"] == "prefill":  # the launchers the forward does not call on this path
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         launches += plan_store_kv(k, k, k_cache, v_cache, slots)
         launches += plan_rope_store(qkv, positions, cos, sin, hq + hkv)
+        # a MoE layer's expert projections: gate-up, then down
+        x, offsets = _empty(t * _TOP_K, hidden, dtype=dtype), _empty(_EXPERTS + 1, dtype=i32)
+        launches += plan_grouped_matmul(x, _empty(_EXPERTS, inter, hidden, dtype=dtype),
+                                        offsets)[1]
+        launches += plan_grouped_matmul(_empty(t * _TOP_K, inter, dtype=dtype),
+                                        _empty(_EXPERTS, hidden, inter, dtype=dtype), offsets)[1]
     return launches

@@ -20,20 +20,27 @@ from pathlib import Path
 import torch
 from transformers import (
     AutoModelForCausalLM,
+    Gemma2Config,
+    Gemma3TextConfig,
     LlamaConfig,
-    LlamaForCausalLM,
     MistralConfig,
-    MistralForCausalLM,
+    MixtralConfig,
+    OlmoeConfig,
+    Phi3Config,
+    PretrainedConfig,
     PreTrainedModel,
     Qwen2Config,
-    Qwen2ForCausalLM,
+    Qwen2MoeConfig,
+    Qwen3Config,
+    Qwen3MoeConfig,
 )
 
 from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
 
 SMOLLM2 = "smollm2-135m-instruct"
 BF16_ULPS = 4  # measured: 30 of 96 rows diverged, the worst at 3 ulps (scripts/measure_bf16.py)
-TINY_KINDS = ("llama", "qwen2", "mistral")
+TINY_KINDS = ("llama", "qwen2", "mistral")  # the first three families, whose state dicts
+# equal transformers' own (the MoE families' experts are fused in transformers' modules)
 
 # Shared by all tiny models: SmolLM2's tokenizer (vocab 49152, bos 1, eos/pad 2).
 _COMMON = {
@@ -47,31 +54,86 @@ _COMMON = {
     # context and near ties (top-two gap < 1e-3) are rare.
     "initializer_range": 0.4,
 }
+_SMALL = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "intermediate_size": 128}
 
 
-def _tiny_model(kind: str) -> PreTrainedModel:
+def _default_rope(theta: float) -> dict:
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def _config(kind: str) -> PretrainedConfig:
+    """A tiny config of each family, in transformers' own config class. Windows (5-7 tokens) are
+    far shorter than the test prompts (~40-80 tokens) and their shared prefixes (21+)."""
+    common = {**_COMMON, **_SMALL}
     if kind == "llama":  # GQA 4/2, tied embeddings like SmolLM2
-        return LlamaForCausalLM(LlamaConfig(
-            **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
+        return LlamaConfig(**common, tie_word_embeddings=True,
+                           rope_parameters=_default_rope(100000.0))
     if kind == "qwen2":  # q/k/v biases (Qwen2 always has them), separate lm_head
-        return Qwen2ForCausalLM(Qwen2Config(
-            **_COMMON, hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=False,
-            use_sliding_window=False,
-            rope_parameters={"rope_type": "default", "rope_theta": 1000000.0}))
+        return Qwen2Config(**common, tie_word_embeddings=False, use_sliding_window=False,
+                           rope_parameters=_default_rope(1000000.0))
     if kind == "mistral":  # MQA, head_dim 32 != hidden / heads = 16, separate lm_head, 3 layers
-        return MistralForCausalLM(MistralConfig(
-            **_COMMON, hidden_size=64, num_hidden_layers=3, num_attention_heads=4,
-            num_key_value_heads=1, head_dim=32, intermediate_size=96, tie_word_embeddings=False,
-            sliding_window=None, rope_parameters={"rope_type": "default", "rope_theta": 10000.0}))
+        return MistralConfig(**{**common, "num_hidden_layers": 3, "num_key_value_heads": 1,
+                                "intermediate_size": 96}, head_dim=32, tie_word_embeddings=False,
+                             sliding_window=None, rope_parameters=_default_rope(10000.0))
+    if kind == "llama3":  # Llama 3.x: rope "llama3" (scaled past a short original length)
+        return LlamaConfig(**common, tie_word_embeddings=False, rope_parameters={
+            "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 32})
+    if kind == "qwen3":  # q/k norms per head, head_dim 32 != 64 / 4, tied
+        return Qwen3Config(**common, head_dim=32, tie_word_embeddings=True,
+                           rope_parameters=_default_rope(1000000.0))
+    if kind == "mistral_window":  # Mistral with its sliding window honoured
+        return MistralConfig(**common, sliding_window=7, tie_word_embeddings=False,
+                             rope_parameters=_default_rope(10000.0))
+    if kind == "gemma2":  # sliding / global alternating, both soft-cappings, own scalar
+        return Gemma2Config(**{**common, "num_hidden_layers": 4}, head_dim=16,
+                            sliding_window=6, query_pre_attn_scalar=24,
+                            attn_logit_softcapping=5.0, final_logit_softcapping=30.0,
+                            rope_parameters=_default_rope(10000.0))
+    if kind == "gemma3":  # q/k norms, a local and a global rotary base, linear scaling
+        return Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 3}, head_dim=16, sliding_window=5,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={"sliding_attention": _default_rope(100.0),
+                             "full_attention": {"rope_type": "linear", "factor": 4.0,
+                                                "rope_theta": 1000000.0}})
+    if kind == "phi3":  # fused qkv and gate_up, longrope, 3/4 of each head rotated
+        return Phi3Config(**{**common, "max_position_embeddings": 512},
+                          original_max_position_embeddings=128, tie_word_embeddings=False,
+                          rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0,
+                                           "partial_rotary_factor": 0.75,
+                                           "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+                                           "long_factor": [1.0, 2.0, 4.0, 8.0, 16.0, 32.0]})
+    if kind == "mixtral":
+        return MixtralConfig(**{**common, "intermediate_size": 64}, num_local_experts=4,
+                             num_experts_per_tok=2, tie_word_embeddings=False,
+                             rope_parameters=_default_rope(1000000.0))
+    if kind == "qwen2_moe":  # a shared expert; layer 1 dense (mlp_only_layers)
+        return Qwen2MoeConfig(**{**common, "intermediate_size": 96}, num_experts=4,
+                              num_experts_per_tok=2, moe_intermediate_size=32,
+                              shared_expert_intermediate_size=48, norm_topk_prob=False,
+                              mlp_only_layers=[1], tie_word_embeddings=False,
+                              rope_parameters=_default_rope(1000000.0))
+    if kind == "qwen3_moe":
+        return Qwen3MoeConfig(**common, head_dim=32, num_experts=4, num_experts_per_tok=2,
+                              moe_intermediate_size=32, norm_topk_prob=True,
+                              tie_word_embeddings=False, rope_parameters=_default_rope(1e6))
+    if kind == "olmoe":  # q/k norms over all heads, q/k/v clipped
+        return OlmoeConfig(**{**common, "intermediate_size": 48}, num_experts=4,
+                           num_experts_per_tok=2, clip_qkv=2.0, norm_topk_prob=False,
+                           tie_word_embeddings=False, rope_parameters=_default_rope(10000.0))
     if kind == "llama-30":  # the tiny Llama with SmolLM2-135M's 30 layers: launch counts
-        return LlamaForCausalLM(LlamaConfig(
-            **_COMMON, hidden_size=64, num_hidden_layers=30, num_attention_heads=4,
-            num_key_value_heads=2, intermediate_size=128, tie_word_embeddings=True,
-            rope_parameters={"rope_type": "default", "rope_theta": 100000.0}))
-    raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(TINY_KINDS)}")
+        return LlamaConfig(**{**common, "num_hidden_layers": 30}, tie_word_embeddings=True,
+                           rope_parameters=_default_rope(100000.0))
+    raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(FAMILY_KINDS)}")
+
+
+FAMILY_KINDS = ("llama", "qwen2", "mistral", "llama3", "qwen3", "mistral_window", "gemma2",
+                "gemma3", "phi3", "mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
+WINDOWED_KINDS = ("mistral_window", "gemma2", "gemma3")
+MOE_KINDS = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe")
 
 
 _root: Path | None = None
@@ -96,17 +158,20 @@ def tiny_model_folder(kind: str) -> Path:
     """A tiny random float32 model saved as a real HF folder (config, safetensors, generation
     config, SmolLM2 tokenizer). Deterministic: seed 0. Built once per process."""
     torch.manual_seed(0)
-    model = _tiny_model(kind).eval()
+    config = _config(kind)
+    model = AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(1)
+    one = 0.0 if config.model_type.startswith("gemma") else 1.0  # Gemma's norms are 1 + w
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=gen)
             if "norm" in name:  # norm weights away from 1 so a skipped/misplaced norm shows
-                param.copy_(1.0 + 0.3 * noise)
+                param.copy_(one + 0.3 * noise)
             elif name.endswith(".bias"):  # HF initialises biases to zero
                 param.copy_(0.5 * noise)
         # Final norm x4: logits x4 (argmax unchanged), top-two gaps median ~2, near ties ~0.05%.
-        model.model.norm.weight.mul_(4.0)
+        norm = model.model.norm.weight
+        norm.copy_((norm + 1 - one) * 4.0 - (1 - one))
     folder = _tiny_root() / kind
     model.save_pretrained(folder)
     tokenizer_of_tiny_models().save_pretrained(folder)
@@ -161,8 +226,7 @@ def hf_greedy_reference(
     as HF returns it) and, at each generated position, top-1 minus top-2 of the raw logits.
     Stops on the EOS ids of `batchllm.model.weights.eos_token_ids`; with `ignore_eos` it runs to
     `max_new_tokens`, EOS tokens may be generated and do not stop it (vLLM's ignore_eos).
-    `max_new_tokens` may be one value or one per prompt. `dtype`: the model's (the references of
-    the other dtypes; their gaps are those of the logits in that dtype).
+    `max_new_tokens` may be one value or one per prompt.
     """
     folder = Path(folder)
     model = hf_model(folder, dtype)

@@ -117,7 +117,25 @@ def test_plan_prints_the_prediction_without_running(tmp_path: Path) -> None:
     assert int(report["rows"]) == 5
     assert int(report["tree_tokens"]) < int(report["prompt_tokens"])
     assert int(report["predicted_prefill_tokens"]) == int(report["tree_tokens"])
+    assert report["model_family"] == "llama"
+    assert int(report["kv_bytes_per_token"]) == 2 * 2 * 2 * 16 * 4  # K,V x layers x heads x D x fp32
     assert not (tmp_path / "out").exists()
+
+
+def test_an_unsupported_architecture_cannot_start(tmp_path: Path) -> None:
+    import shutil
+
+    from transformers import GPT2Config
+
+    folder = tmp_path / "gpt2"
+    shutil.copytree(tiny_model_folder("llama"), folder)
+    GPT2Config().to_json_file(folder / "config.json")
+    job = write_job(tmp_path, {"prompt": ["Hello."]}, model={"path": str(folder)})
+    for command in ("run", "plan"):
+        proc = run(command, str(job))
+        assert proc.returncode == 2, proc.stderr
+        assert "model type 'gpt2' is not supported; supported: llama, mistral" in proc.stderr
+        assert "gemma2" in proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_too_long_prompts_become_error_rows_and_near_limit_rows_stop_at_it(tmp_path) -> None:

@@ -43,11 +43,11 @@ def test_add_rms_norm_matches_llama_rms_norm(impl, with_delta, t, hidden):
 @pytest.mark.parametrize("head_dim", [64, 18])
 def test_rope_matches_apply_rotary_pos_emb(impl, head_dim):
     ops = IMPLS[impl]()
-    from batchllm.model.llama import _rope_tables
+    from batchllm.model.rotary import rope_tables
 
     config = LlamaConfig(hidden_size=head_dim * 4, num_attention_heads=4, head_dim=head_dim,
                          max_position_embeddings=300, rope_theta=10000.0)
-    cos, sin = _rope_tables(config, 300)  # [300, D]
+    cos, sin = rope_tables(config, 300, torch.device("cpu"))[""]  # [300, D]
     gen = torch.Generator().manual_seed(head_dim)
     t, hq, hkv = 7, 4, 2
     qkv = torch.randn(t, (hq + 2 * hkv) * head_dim, generator=gen)
@@ -77,6 +77,17 @@ def test_silu_mul_matches_silu(impl, t, inter):
     out = ops.silu_mul(gate_up.clone())
     assert out.shape == (t, inter)
     torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_gelu_tanh_mul_matches_transformers_gelu_tanh(impl):
+    from transformers.activations import ACT2FN
+
+    ops = IMPLS[impl]()
+    gate_up = torch.randn(9, 26, generator=torch.Generator().manual_seed(2)) * 4
+    expected = ACT2FN["gelu_pytorch_tanh"](gate_up[:, :13].double()) * gate_up[:, 13:].double()
+    torch.testing.assert_close(ops.gelu_tanh_mul(gate_up).double(), expected, rtol=1e-5,
+                               atol=1e-6)
 
 
 def test_non_contiguous_rows_are_refused():

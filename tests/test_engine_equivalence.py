@@ -104,7 +104,7 @@ def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None
     assert ops.paged_attention.__name__ == "paged_attention_ref"
     assert ops.store_kv is store_kv_ref and ops.prefix_attention_into is None
     assert ops.pointwise is TORCH_OPS
-    assert ops.projection != "panels" and model.layers[0].qkv.panels is None  # oneDNN / F.linear
+    assert ops.projection != "panels" and model.layers[0].attn.qkv.panels is None  # oneDNN / F.linear
     outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
     for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference("llama"))):
         assert_tokens_match(out.token_ids, tokens, gaps, row=i)

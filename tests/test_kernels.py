@@ -8,46 +8,11 @@ float32 and bfloat16. The expected values are the twins run in float32 on the sa
 
 from __future__ import annotations
 
-import importlib
-import os
-import sys
-
 import pytest
 import torch
+from triton_interpreter import CUDA, load
 
-CUDA = torch.cuda.is_available()
-if not CUDA:
-    os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
-
-
-def _interpret_triton_library() -> None:
-    """Triton makes its own @jit library functions (tl.zeros, tl.max, tl.sum ...) at import; if
-    something imported triton before TRITON_INTERPRET=1 was set (transformers does, from
-    tests/conftest.py), remake them for the interpreter."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(tl.zeros, InterpretedFunction):
-        return
-    standard = importlib.reload(sys.modules["triton.language.standard"])
-    for name, value in vars(standard).items():
-        if isinstance(value, InterpretedFunction) and hasattr(tl, name):
-            setattr(tl, name, value)
-
-
-def _load(name: str):
-    """The launcher module, re-executed if it was imported before the interpreter was on (its
-    @triton.jit functions are made at import)."""
-    if not CUDA and name in sys.modules:
-        return importlib.reload(sys.modules[name])
-    return importlib.import_module(name)
-
-
-if not CUDA:
-    _interpret_triton_library()
-_load("kernels.triton.tiles")  # first: the jitted pieces the two attention kernels import
-_checks, _store, _paged, _prefix, _merge = (_load(f"kernels.triton.{n}") for n in (
+_checks, _store, _paged, _prefix, _merge = (load(f"kernels.triton.{n}") for n in (
     "checks", "store_kv", "paged_attention", "prefix_attention", "merge_states"))
 from kernels.reference.merge_states import merge_states_ref
 from kernels.reference.paged_attention import paged_attention_ref
@@ -155,6 +120,39 @@ def test_prefix_attention(dtype, page_size, gqa, d, num_splits):
     if num_splits is None:
         o2, lse2 = _prefix.prefix_attention(q, k_cache, v_cache, *args)
         assert torch.equal(o2, o) and torch.equal(lse2, lse)
+
+
+@pytest.mark.parametrize("window, softcap", [(1, 0.0), (7, 0.0), (40, 0.0), (0, 5.0), (13, 5.0)])
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_paged_attention_window_and_softcap(page_size, window, softcap):
+    """The sliding-window and soft-capping masks inside the online softmax, against the twin:
+    windows shorter than a page, than a key block, and longer (odd lengths throughout)."""
+    gen = torch.Generator().manual_seed(page_size + window)
+    d, gqa = 64, 3
+    k_cache, v_cache, table = make_cache([c for _, c, _ in MIXED], page_size, d, torch.float32,
+                                         gen)
+    q = torch.randn(sum(n for n, _, _ in MIXED), HKV * gqa, d, generator=gen).mul(2).to(DEVICE)
+    args = (table, cu([n for n, _, _ in MIXED]), i32([c for _, c, _ in MIXED]),
+            i32([s for _, _, s in MIXED]), d**-0.5)
+    o, lse = _paged.paged_attention(q, k_cache, v_cache, *args, window=window, softcap=softcap)
+    o_ref, lse_ref = paged_attention_ref(*f32(q, k_cache, v_cache), *args, window=window,
+                                         softcap=softcap)
+    close(o, o_ref, ATOL[torch.float32])
+    close(lse, lse_ref, 1e-4)
+
+
+@pytest.mark.parametrize("num_splits", [1, 3])
+def test_prefix_attention_softcap(num_splits):
+    plens, qlens = [129, 1, 37], [17, 3, 1]
+    gen = torch.Generator().manual_seed(num_splits)
+    k_cache, v_cache, pages = make_cache(plens, 16, 64, torch.float32, gen)
+    q = torch.randn(sum(qlens), HKV * 3, 64, generator=gen).mul(2).to(DEVICE)
+    args = (pages, i32(plens), cu(qlens), 0.125)
+    o, lse = _prefix.prefix_attention_split(q, k_cache, v_cache, *args, num_splits=num_splits,
+                                            softcap=5.0)
+    o_ref, lse_ref = prefix_attention_ref(*f32(q, k_cache, v_cache), *args, softcap=5.0)
+    close(o, o_ref, ATOL[torch.float32])
+    close(lse, lse_ref, 1e-4)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

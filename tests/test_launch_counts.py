@@ -96,7 +96,7 @@ def test_launches_per_decode_step(monkeypatch, cuda_graphs):
         split = triton["_combine_splits_kernel"] // LAYERS
         assert dict(triton) == {"_add_rms_norm_kernel": 2 * LAYERS + 1,
                                 "_rope_store_kernel": LAYERS, "_paged_attention_kernel": LAYERS,
-                                "_silu_mul_kernel": LAYERS,
+                                "_gated_mul_kernel": LAYERS,
                                 **({"_combine_splits_kernel": LAYERS} if split else {})}
         assert split == cuda_graphs  # the graph path plans splits for max_model_len
         # Per layer: the four projections and the residual add; once: lm_head, the embedding

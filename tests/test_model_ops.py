@@ -8,8 +8,8 @@ import pytest
 import torch
 from transformers import GPT2Config, LlamaConfig
 
+from batchllm.model.decoder import model_shape
 from batchllm.model.errors import ModelError
-from batchllm.model.llama import model_shape
 from batchllm.model.ops import pick_ops
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import decode as cpu_decode
@@ -69,12 +69,13 @@ def test_other_dtypes_on_the_cpu_run_the_twins():
 def test_cuda_runs_the_triton_kernels():
     pytest.importorskip("triton")
     from kernels.triton import (
+        grouped_matmul,
         merge_states,
         paged_attention,
         prefix_attention,
         rms_norm,
         rotary,
-        silu_mul,
+        gated_mul,
         store_kv,
     )
 
@@ -85,12 +86,16 @@ def test_cuda_runs_the_triton_kernels():
     assert ops.prefix_attention_into is prefix_attention.prefix_attention_into
     assert ops.rope_store is rotary.rope_store
     assert not ops.indexes_steps and ops.tiles_decodes and ops.device_steps
-    assert ops.pointwise == (rms_norm.add_rms_norm, rotary.rope_, silu_mul.silu_mul)
+    assert ops.pointwise == (rms_norm.add_rms_norm, rotary.rope_, gated_mul.silu_mul,
+                            gated_mul.gelu_tanh_mul)
+    assert ops.grouped_matmul is grouped_matmul.grouped_matmul
     assert ops.projection == "dense"
 
 
 def test_an_unsupported_model_type_is_a_model_error():
     with pytest.raises(ModelError, match="model.path: model type 'gpt2' is not supported; "
-                                         "supported: llama, mistral, qwen2"):
+                                         "supported: llama, mistral, qwen2, qwen3, gemma2, "
+                                         "gemma3_text, phi3, mixtral, qwen2_moe, qwen3_moe, "
+                                         "olmoe"):
         model_shape(GPT2Config())
     assert model_shape(LlamaConfig(num_attention_heads=4, hidden_size=64)).head_dim == 16

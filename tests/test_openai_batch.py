@@ -141,6 +141,30 @@ def test_results_lines_have_openai_shape():
         "code": "request_failed", "message": "line 2: body.prompt: expected a string"}}
 
 
+def test_results_carry_logprobs_in_openai_shape(smollm2_folder):
+    """The `logprobs` column as OpenAI writes it: chat content entries with the token's text and
+    bytes; completions' tokens / token_logprobs / top_logprobs."""
+    from batchllm.model.weights import load_tokenizer
+
+    tokenizer = load_tokenizer(smollm2_folder)
+    hello, world = tokenizer.encode("Hello world", add_special_tokens=False)[:2]
+    values = [{"token_id": hello, "logprob": -0.5, "top": [{"token_id": world, "logprob": -1.5}]}]
+    table = pa.table({"id": ["a", "b"], "completion": ["Hello", "Hello"],
+                      "finish_reason": ["length", "length"], "prompt_tokens": [3, 3],
+                      "completion_tokens": [1, 1], "cached_tokens": [0, 0], "error": [None, None],
+                      "logprobs": [values, values]})
+    buf = io.BytesIO()
+    write_results(table, buf, ["chat", "completion"], "m", 1, lambda t: tokenizer.decode([t]))
+    chat, cmpl = [json.loads(x)["response"]["body"]["choices"][0]["logprobs"]
+                  for x in buf.getvalue().decode().splitlines()]
+    word = tokenizer.decode([world])
+    assert chat == {"content": [{"token": "Hello", "logprob": -0.5, "bytes": list(b"Hello"),
+                                 "top_logprobs": [{"token": word, "logprob": -1.5,
+                                                   "bytes": list(word.encode())}]}]}
+    assert cmpl == {"tokens": ["Hello"], "token_logprobs": [-0.5],
+                    "top_logprobs": [{word: -1.5}]}
+
+
 def test_batch_file_round_trips_through_a_job(tmp_path: Path):
     (tmp_path / "batch.jsonl").write_text("\n".join(_batch_file()) + "\n")
     job = {"name": "openai", "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},

@@ -95,7 +95,7 @@ STEP = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (17, 17, 0), (37, 129, 0
 def c_kernels(decodes: bool, chunks: bool):
     """The CPU path with its decodes and/or its prefill chunks in C (kernels/cpu/attention.py)."""
 
-    def attend(q, k_cache, v_cache, table, cu_q, ctx, start, scale):
+    def attend(q, k_cache, v_cache, table, cu_q, ctx, start, scale, **options):
         if (decodes and cpu_decode.load() is None) or (chunks and cpu_prefill.load() is None):
             pytest.skip("the C kernels could not be built here")
         step = index_step(table, cu_q, ctx, start, k_cache.shape[1], k_cache.shape[2],
@@ -105,7 +105,7 @@ def c_kernels(decodes: bool, chunks: bool):
         wide[:, : hq * d] = q.reshape(t, hq * d)
         q = wide[:, : hq * d].view(t, hq, d)
         return cpu_attention.paged_attention_cpu(q, k_cache, v_cache, table, cu_q, ctx, start,
-                                                 scale, step)
+                                                 scale, step, **options)
 
     return attend
 

@@ -135,7 +135,7 @@ def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypat
         outs = llm.generate(prompts(), SamplingParams(max_tokens=MAX_TOKENS))
     assert not twins.seen, f"torch twin ops ran: {dict(twins.seen)}"
     expected = {"_add_rms_norm_kernel", "_rope_store_kernel", "_paged_attention_kernel",
-                "_silu_mul_kernel"}
+                "_gated_mul_kernel"}
     if settings["prefix_sharing"]:
         expected |= {"_prefix_attention_kernel", "_merge_states_kernel"}
     assert expected <= set(launched), launched

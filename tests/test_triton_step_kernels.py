@@ -17,10 +17,10 @@ pytest.importorskip("triton")
 
 from kernels.reference.merge_states import merge_states_ref
 from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.pointwise import add_rms_norm_ref, rope_ref, silu_mul_ref
+from kernels.reference.pointwise import add_rms_norm_ref, gelu_tanh_mul_ref, rope_ref, silu_mul_ref
 from kernels.reference.rope_store import rope_store_ref
 from kernels.triton import launch as triton_launch
-from kernels.triton import merge_states, paged_attention, rms_norm, rotary, silu_mul
+from kernels.triton import gated_mul, merge_states, paged_attention, rms_norm, rotary
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"
@@ -64,10 +64,14 @@ def test_add_rms_norm(dtype, with_delta):
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_silu_mul(dtype):
+@pytest.mark.parametrize("act", ["silu", "gelu_tanh"])
+def test_gated_mul(dtype, act):
     gen = torch.Generator().manual_seed(2)
     gate_up = rand(3, 2 * 1100, dtype=dtype, gen=gen)  # two column blocks, the second partial
-    close(silu_mul.silu_mul(gate_up), silu_mul_ref(gate_up.clone()), 2 * ULP[dtype])
+    gate_up[0, :8] = torch.tensor([-30.0, -9.0, -3.0, -0.5, 0.0, 0.5, 9.0, 30.0])  # both tails
+    kernel, twin = {"silu": (gated_mul.silu_mul, silu_mul_ref),
+                    "gelu_tanh": (gated_mul.gelu_tanh_mul, gelu_tanh_mul_ref)}[act]
+    close(kernel(gate_up), twin(gate_up.clone()), 2 * ULP[dtype])
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)

@@ -128,3 +128,95 @@ def test_eos_ids_from_generation_config_list(tmp_path: Path) -> None:
     assert eos_token_ids(folder, load_config(folder), tokenizer) == {2, 7, 11}
     (folder / "generation_config.json").unlink()  # falls back to config.json's eos_token_id
     assert eos_token_ids(folder, load_config(folder), tokenizer) == {2}
+
+
+def _resaved(tmp_path: Path, kind: str, change) -> Path:
+    """A copy of a tiny model folder whose safetensors state dict went through change(state)."""
+    from safetensors.torch import load_file, save_file
+
+    folder = tmp_path / kind
+    shutil.copytree(tiny_model_folder(kind), folder)
+    file = folder / "model.safetensors"
+    state = load_file(file)
+    change(state)
+    save_file(state, file, metadata={"format": "pt"})
+    return folder
+
+
+@pytest.mark.parametrize("kind, name", [
+    ("qwen3", "model.layers.1.self_attn.k_norm.weight"),
+    ("phi3", "model.layers.0.self_attn.qkv_proj.weight"),
+    ("mixtral", "model.layers.1.block_sparse_moe.experts.3.w2.weight"),
+])
+def test_a_missing_tensor_names_the_tensor_and_the_file(tmp_path: Path, kind, name) -> None:
+    from batchllm.model.errors import ModelError
+    from batchllm.model.loader import load_model
+
+    folder = _resaved(tmp_path, kind, lambda state: state.pop(name))
+    with pytest.raises(ModelError, match=f"tensor '{name}' is missing from model.safetensors "
+                                         f"\\(the {kind} family needs it\\)"):
+        load_model(str(folder), "float32", "cpu")
+
+
+def test_an_unexpected_tensor_names_the_tensor_and_the_file(tmp_path: Path) -> None:
+    from batchllm.model.errors import ModelError
+    from batchllm.model.loader import load_model
+
+    extra = "model.layers.0.mlp.shared_expert_gate.weight"  # a Qwen2-MoE tensor in a Qwen3
+    folder = _resaved(tmp_path, "qwen3", lambda s: s.update({extra: torch.zeros(1, 64)}))
+    with pytest.raises(ModelError, match=f"unexpected tensor '{extra}' in model.safetensors: not "
+                                         "part of a qwen3 model"):
+        load_model(str(folder), "float32", "cpu")
+
+
+def test_a_bfloat16_checkpoint_is_cast_on_load(tmp_path: Path) -> None:
+    folder = _resaved(tmp_path, "gemma3", lambda s: s.update(
+        {k: v.bfloat16() for k, v in s.items()}))
+    _, state = load_weights(folder, torch.float32, "cpu")
+    _, original = load_weights(tiny_model_folder("gemma3"), torch.float32, "cpu")
+    assert {t.dtype for t in state.values()} == {torch.float32}
+    for name, tensor in state.items():
+        assert torch.equal(tensor, original[name].bfloat16().float()), name
+
+
+def test_a_gguf_file_is_converted_once_and_cached(tmp_path: Path, monkeypatch) -> None:
+    """model.path: a .gguf file. The conversion itself is transformers' (the built-in alias's
+    test runs it for real); here a stand-in writes the folder, to count the conversions."""
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
+    converted = []
+
+    def convert(source: Path, name: str, out: Path) -> None:
+        converted.append(source / name)
+        for f in tiny_model_folder("llama").iterdir():
+            shutil.copy(f, out / f.name)
+
+    monkeypatch.setattr(weights, "_convert_gguf", convert)
+    gguf = tmp_path / "models" / "Tiny-Q4.gguf"
+    gguf.parent.mkdir()
+    gguf.write_bytes(b"GGUF")
+    first = resolve_model(str(gguf))
+    assert resolve_model(str(gguf)) == first and converted == [gguf]  # once, then cached
+    assert first.parent == tmp_path / "cache" / "models" and first.name.startswith("gguf-tiny-q4-")
+    assert load_config(first).model_type == "llama" and (first / MARKER).is_file()
+    gguf.write_bytes(b"GGUF, another")  # a new file at the same path: converted anew
+    assert resolve_model(str(gguf)) != first and len(converted) == 2
+
+
+def test_a_gguf_file_transformers_cannot_read_is_a_model_error(tmp_path, monkeypatch) -> None:
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
+    gguf = tmp_path / "broken.gguf"
+    gguf.write_bytes(b"not a gguf file")
+    with pytest.raises(ModelNotFoundError, match=f"{gguf}: could not convert the GGUF file"):
+        resolve_model(str(gguf))
+    assert not list((tmp_path / "cache" / "models").iterdir())  # no half-written folder
+
+
+def test_longrope_limits_the_length_to_the_short_factors_range() -> None:
+    from batchllm.model.errors import ModelError
+    from batchllm.model.weights import model_len_limit
+
+    config = load_config(tiny_model_folder("phi3"))  # longrope, original 128 of 512
+    assert model_len_limit(config) == 128 and model_len_limit(config, 100) == 100
+    with pytest.raises(ModelError, match="model.max_model_len: 129 exceeds the model's limit of "
+                                         "128 \\(longrope scaling: transformers switches"):
+        model_len_limit(config, 129)

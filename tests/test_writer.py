@@ -192,7 +192,8 @@ def test_bad_and_foreign_parts_are_moved_aside(tmp_path):
     assert resumed.done_rows() == {0, 1}
     assert [(os.path.basename(d.path), d.why.split(" (")[0]) for d in resumed.discarded] == [
         ("part-00003.parquet", ("lacks the column(s) completion, finish_reason, prompt_tokens, "
-         "completion_tokens, cached_tokens, error, prompt, token_ids, id")),
+         "completion_tokens, cached_tokens, error, prompt, token_ids, sample, samples, logprobs, "
+             "id")),
         ("part-00004.parquet", "cannot be read"),
         ("part-00002.parquet", "was written by another job")]
     assert resumed.discarded[2].why.endswith("(differs in: model)")

@@ -127,3 +127,52 @@ def kv_memory(v: Any) -> float | int:
         except ValueError:
             raise Bad(f"expected a fraction in (0, 1] or a size such as '4GiB', got {show(v)}")
     return number(v, "a fraction in (0, 1] or a size such as '4GiB'", lambda x: 0 < x <= 1)
+
+
+def int_in(lo: int, hi: int):
+    """A check for an integer in lo..hi."""
+    def check(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, int) or not lo <= v <= hi:
+            raise Bad(f"expected an integer in {lo}..{hi}, got {show(v)}")
+        return v
+    return check
+
+
+def json_schema(v: Any) -> str | None:
+    """A JSON schema given inline (a YAML mapping or JSON text) or as the path of a JSON file,
+    as canonical JSON text (the file is read once, here: its contents are the job's)."""
+    import json
+
+    if v is None:
+        return None
+    if isinstance(v, os.PathLike):
+        v = os.fspath(v)
+    if isinstance(v, str) and not v.lstrip().startswith(("{", "[")):
+        path = os.path.expanduser(v)
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except OSError as e:
+            raise Bad(f"expected a JSON schema or the path of a JSON file; cannot read "
+                      f"{show(v)}: {e.strerror or e}") from None
+        v = text
+        where = f"the file {path}"
+    else:
+        where = "the value"
+    if isinstance(v, str):
+        try:
+            v = json.loads(v)
+        except ValueError as e:
+            raise Bad(f"{where} is not valid JSON: {e}") from None
+    if not isinstance(v, (dict, bool)):
+        raise Bad(f"expected a JSON schema (an object), got {show(v)}")
+    return json.dumps(v, ensure_ascii=False)  # key order kept: it is the generation order
+
+
+def choices(v: Any) -> tuple[str, ...] | None:
+    """A non-empty list of non-empty strings (structured output: one of them), or None."""
+    if v is None:
+        return None
+    if not isinstance(v, (list, tuple)) or not v or not all(isinstance(s, str) and s for s in v):
+        raise Bad(f"expected a non-empty list of non-empty strings, got {show(v)}")
+    return tuple(v)

@@ -99,6 +99,20 @@ class SamplingConfig(_Section):
     seed: int = _spec(c.non_negative_int, 0)
     stop: tuple[str, ...] = _spec(c.stop, ())
     ignore_eos: bool = _spec(c.boolean, False)
+    n: int = _spec(c.int_in(1, 128), 1)  # samples per row (batchllm.sampling_params.MAX_N)
+    logprobs: int = _spec(c.int_in(0, 20), 0)  # top alternatives per generated token
+    # structured output, at most one of the three (an input column of the same name overrides
+    # all three for its row): a schema inline or the path of a JSON file, stored as JSON text
+    json_schema: str | None = _spec(c.json_schema, None)
+    regex: str | None = _spec(c.optional(c.string), None)
+    choice: tuple[str, ...] | None = _spec(c.choices, None)
+
+    def _cross_checks(self) -> list[str]:
+        given = [n for n in ("json_schema", "regex", "choice") if getattr(self, n) is not None]
+        if len(given) > 1:
+            return [(f"sampling.{given[1]}: sampling.{given[0]} is set too; give at most one of "
+                    "json_schema, regex and choice")]
+        return []
 
 
 @dataclass(frozen=True)
@@ -148,6 +162,8 @@ class JobConfig:
         """Plain JSON-able data (tuples as lists), in the job file's shape."""
         d = dataclasses.asdict(self)
         d["sampling"]["stop"] = list(self.sampling.stop)
+        if self.sampling.choice is not None:
+            d["sampling"]["choice"] = list(self.sampling.choice)
         return d
 
 

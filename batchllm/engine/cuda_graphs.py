@@ -21,7 +21,7 @@ import torch
 from batchllm.engine.step_batch import StepBatch
 from batchllm.engine.step_buffers import StepBuffers
 from batchllm.model.attention import PagedAttention, StepMetadata
-from batchllm.model.llama import LlamaModel
+from batchllm.model.decoder import DecoderModel
 
 
 def buckets(max_num_seqs: int) -> list[int]:
@@ -32,7 +32,7 @@ def buckets(max_num_seqs: int) -> list[int]:
 
 
 class DecodeGraphs:
-    def __init__(self, model: LlamaModel, attention: PagedAttention, buffers: StepBuffers,
+    def __init__(self, model: DecoderModel, attention: PagedAttention, buffers: StepBuffers,
                  table: torch.Tensor, page_size: int, max_num_seqs: int, max_model_len: int,
                  capture: bool) -> None:
         """table: the device page table [rows, max_pages] int32 (BlockTable.table). capture:

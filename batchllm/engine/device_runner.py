@@ -28,11 +28,11 @@ from batchllm.engine.runner import StepOutput
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.engine.step_buffers import StepBuffers
 from batchllm.model.attention import PagedAttention, StepMetadata
-from batchllm.model.llama import LlamaModel
+from batchllm.model.decoder import DecoderModel
 
 
 class DeviceRunner:
-    def __init__(self, model: LlamaModel, attention: PagedAttention, page_size: int,
+    def __init__(self, model: DecoderModel, attention: PagedAttention, page_size: int,
                  cascade: bool, max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
                  cuda_graphs: bool) -> None:
         self.model, self.attention = model, attention

@@ -11,11 +11,12 @@ from collections.abc import Callable
 import numpy as np
 import torch
 
+from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
 from batchllm.engine.runner import make_runner
-from batchllm.engine.sampler import row_key, sample
+from batchllm.engine.sampler import row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import PagedAttention
@@ -50,6 +51,7 @@ class Engine:
         self.runner = make_runner(loaded.model, self.attention, page_size, prefix_sharing,
                                   max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs)
         self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len)
+        self.grammars = Grammars(loaded.tokenizer, loaded.eos_ids, shape.vocab_size)
         self.num_pages = num_pages
         self.bytes_per_token = shape.kv_bytes_per_token(loaded.model.dtype)
 
@@ -135,27 +137,47 @@ class Engine:
         return Sequence(
             Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
             parent=int(plan.row_parent[key]), sampling=r.sampling,
-            rng_key=row_key(r.sampling.seed, r.id),
+            rng_key=row_key(r.sampling.seed, r.id, r.sample),
+            matcher=self.grammars.matcher(r.sampling),
+            logprobs=[] if r.wants_logprobs else None,
         )
 
     def _sample(self, logits, seqs: list[Sequence], sched, rows: list[Row], on_row,
                 stats) -> None:
+        """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
+        output: masked in place). Unconstrained rows without logprobs take the plain path."""
         sp = [s.sampling for s in seqs]
+        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        if constrained:  # the masks are filled before the logits are first read: on CUDA the
+            # fill overlaps the forward still in flight
+            masks = self.grammars.bitmask([seqs[i].matcher for i in constrained])
+            self.grammars.apply(logits, constrained, masks)
+        temperature = [p.temperature for p in sp]
         tokens = sample(
             logits,
-            [p.temperature for p in sp],
+            temperature,
             [p.top_k for p in sp],
             [p.top_p for p in sp],
             [s.rng_key for s in seqs],
             [len(s.output_ids) for s in seqs],
         )
+        scored = [i for i, s in enumerate(seqs) if s.logprobs is not None]
+        if scored:
+            lps = token_logprobs(logits[scored], [temperature[i] for i in scored],
+                                 [tokens[i] for i in scored], [sp[i].logprobs for i in scored])
+            for i, lp in zip(scored, lps):
+                seqs[i].logprobs.append(lp)
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
             stats.completion_tokens += 1
-            if self.stopper.check(seq):
+            broken = seq.matcher is not None and not seq.matcher.consume_token(tok)
+            if broken or self.stopper.check(seq):
                 sched.finish(seq)
                 stats.rows_done += 1
                 row = rows[seq.key]
-                row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
-                           seq.cached_tokens)
+                if broken:  # cannot happen with the mask applied; an error row, not a crash
+                    row.fail(f"structured output: {seq.matcher.get_error()}")
+                else:
+                    row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
+                               seq.cached_tokens, seq.logprobs)
                 on_row(row)

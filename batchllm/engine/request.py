@@ -25,7 +25,9 @@ class Sequence:
     num_prompt_tokens: int
     parent: int = -1  # prefix node whose pages this sequence borrows; -1: none
     sampling: SamplingParams | None = None
-    rng_key: int = 0  # per-row generator key, from the job seed and the row id
+    rng_key: int = 0  # per-sample generator key, from the job seed, the row id and the sample
+    matcher: object | None = None  # structured output: the row's llguidance matcher
+    logprobs: list | None = None  # [TokenLogprob] per generated token, when asked for
     computed: int = 0
     pages: list[int] = field(default_factory=list)
     num_borrowed_pages: int = 0  # leading pages shared from the parent (not written by us)

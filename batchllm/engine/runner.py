@@ -18,7 +18,7 @@ import torch
 from batchllm.engine.request import Sequence
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.model.attention import PagedAttention, StepMetadata
-from batchllm.model.llama import LlamaModel
+from batchllm.model.decoder import DecoderModel
 
 
 class StepOutput(NamedTuple):
@@ -31,7 +31,7 @@ class ModelRunner:
     """The CPU path's runner."""
 
     def __init__(
-        self, model: LlamaModel, attention: PagedAttention, page_size: int, cascade: bool
+        self, model: DecoderModel, attention: PagedAttention, page_size: int, cascade: bool
     ) -> None:
         self.model = model
         self.attention = attention
@@ -80,7 +80,7 @@ class ModelRunner:
         meta.cu_prefix_q = torch.from_numpy(batch.cu_q[[0, *(g.hi for g in batch.groups)]]).to(dev)
 
 
-def make_runner(model: LlamaModel, attention: PagedAttention, page_size: int, cascade: bool,
+def make_runner(model: DecoderModel, attention: PagedAttention, page_size: int, cascade: bool,
                 max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
                 cuda_graphs: bool) -> ModelRunner:
     """The runner of the model's path (ModelOps.device_steps: the CUDA path's)."""

@@ -85,26 +85,33 @@ class Runtime:
         rows: list[Row],
         on_row: Callable[[Row], None],
         on_step: Callable[[EngineStats], None] | None = None,
-        skip: Collection[int] = (),
+        skip: Collection[int | tuple[int, int]] = (),
     ) -> RunMetrics:
         """Admit, plan and run `rows`; each row goes to on_row once it has its result (rows that
-        cannot run at once, with their error). Rows whose index is in `skip` (done by an earlier,
-        interrupted run) are planned with the others, so that the plan is the same, but neither
-        run nor handed out."""
+        cannot run at once, with their error). A row with sampling.n > 1 runs as n records, one
+        per sample (Row.samples: the same prompt n times, which the plan makes one prefix node
+        with n children), each handed to on_row. Records listed in `skip` (done by an earlier,
+        interrupted run: a row index for all its samples, or (index, sample)) are planned with
+        the others, so that the plan is the same, but neither run nor handed out."""
         start = time.perf_counter()
-        planned = plan_rows(rows, self.max_model_len, self.settings.prefix_sharing,
+        skip = skip if isinstance(skip, (set, frozenset)) else set(skip)
+        records = rows  # n = 1 everywhere: the rows themselves
+        if any(r.sampling.n != 1 for r in rows):
+            records = [r for row in rows for r in row.samples()]
+        self._check_grammars(records)
+        planned = plan_rows(records, self.max_model_len, self.settings.prefix_sharing,
                             self.settings.order)
-        for row in rows:
-            if not row.ok and row.index not in skip:
+        for row in records:
+            if not row.ok and not row.listed_in(skip):
                 on_row(row)
         self._check_memory(planned.rows)  # all rows: the result must not depend on the skipped
-        todo = planned.restricted_to(set(skip))
+        todo = planned.restricted_to(skip)
         stats = self.engine.run(todo.rows, todo.plan, on_row, on_step)
-        ran = [r for r in todo.rows if r.index not in skip]
+        ran = [r for r in todo.rows if not r.listed_in(skip)]
         wall = time.perf_counter() - start
         model = self.loaded
         return RunMetrics(
-            rows=sum(1 for r in rows if r.index not in skip),
+            rows=sum(1 for r in records if not r.listed_in(skip)),
             prompt_tokens=sum(r.prompt_tokens for r in ran),
             prefill_tokens=stats.prefill_tokens,
             tree_tokens=todo.plan.tree_tokens,
@@ -123,6 +130,16 @@ class Runtime:
             dtype=str(model.model.dtype).removeprefix("torch."),
             model=model.name,
         )
+
+    def _check_grammars(self, rows: list[Row]) -> None:
+        """Rows whose structured output does not compile become error rows with the compiler's
+        message (each distinct spec compiled once); the others run."""
+        grammars = self.engine.grammars
+        for row in rows:
+            if row.ok and row.sampling.constraint is not None and row.sampling.problem() is None:
+                why = grammars.problem(row.sampling)
+                if why is not None:
+                    row.fail(why)
 
     def _check_memory(self, rows: list[Row]) -> None:
         """Before the run: the largest request (prompt + max_tokens, up to the model's limit)

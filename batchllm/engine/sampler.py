@@ -1,4 +1,4 @@
-"""Sampling as small pure functions: greedy, temperature, top-k, top-p.
+"""Sampling as small pure functions: greedy, temperature, top-k, top-p, log-probabilities.
 
 Random draws come from a counter-based generator: the uniform for a row's n-th generated token
 is a hash of (row key, n), where the row key is a hash of the job seed and the row id. A row's
@@ -12,12 +12,17 @@ import hashlib
 
 import torch
 
+from batchllm.rows.record import TokenLogprob
+
 _MASK64 = (1 << 64) - 1
 
 
-def row_key(seed: int, row_id: object) -> int:
-    """The per-row generator key, stable across processes and machines."""
-    digest = hashlib.blake2b(f"{seed}\x00{row_id}".encode(), digest_size=8).digest()
+def row_key(seed: int, row_id: object, sample: int = 0) -> int:
+    """The generator key of a row's sample, stable across processes and machines. Sample 0
+    keeps the key of (seed, row id) alone, so that n = 1 draws what it always drew and the first
+    of n samples is the n = 1 completion; sample s > 0 hashes (seed, row id, s)."""
+    text = f"{seed}\x00{row_id}" if sample == 0 else f"{seed}\x00{row_id}\x00{sample}"
+    digest = hashlib.blake2b(text.encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little")
 
 
@@ -77,3 +82,25 @@ def sample(
     for i, tok in zip(rand, chosen):
         out[i] = tok
     return out
+
+
+def token_logprobs(
+    logits: torch.Tensor,  # [R, V] fp32, after the structured-output mask
+    temperature: list[float],
+    tokens: list[int],
+    k: list[int],
+) -> list[TokenLogprob]:
+    """Each row's chosen token and its top-k under log_softmax(logits / temperature), where
+    greedy rows use temperature 1 (the model's own distribution). Before top-k/top-p: those
+    truncate the draw, and would make every logprob 0 or -inf under top_k 1. Alternatives the
+    mask forbids (-inf) are left out of `top`."""
+    dev = logits.device
+    t = torch.tensor([x if x > 0 else 1.0 for x in temperature], device=dev)
+    lp = torch.log_softmax(logits / t[:, None], dim=-1)  # [R, V]
+    chosen = lp.gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0].tolist()
+    top_lp, top_id = (x.tolist() for x in lp.topk(max(k), dim=-1))  # [R, kmax] each
+    ninf = float("-inf")
+    return [
+        TokenLogprob(tok, c, [(i, v) for i, v in zip(ids[:kr], vals[:kr]) if v != ninf])
+        for tok, c, ids, vals, kr in zip(tokens, chosen, top_id, top_lp, k)
+    ]

@@ -19,10 +19,16 @@ class StopChecker:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
     def check(self, seq: Sequence) -> bool:
-        """Sets seq.finish_reason (and seq.text for a stop string); True when finished."""
+        """Sets seq.finish_reason (and seq.text for a stop string); True when finished.
+
+        A constrained row also stops when its grammar is complete (even with ignore_eos: only
+        end-of-sequence could follow), which wins over max_tokens reached by the same token."""
         sp = seq.sampling
         out = seq.output_ids
         if not sp.ignore_eos and out[-1] in self.eos_ids:
+            seq.finish_reason = "stop"
+            return True
+        if seq.matcher is not None and seq.matcher.is_stopped():
             seq.finish_reason = "stop"
             return True
         if sp.stop:

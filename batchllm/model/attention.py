@@ -8,6 +8,13 @@ A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
 merged by the log-sum-exp rule. Without cascade groups the own part starts at 0 and is all.
+
+A sliding-window layer (window W: a query at p sees keys p-W+1 .. p) does not split off the
+shared prefix: it attends over each sequence's whole page table, from the first key its first
+query can see (max(0, first position - W + 1), which also skips what is out of every window),
+with the window mask. The prefix's pages are in every member's page table, so this is exact
+whatever the prefix's length; the global layers keep the cascade. Pages that fall out of every
+window stay allocated (the cache is sized for all layers, and global layers need them).
 """
 
 from __future__ import annotations
@@ -55,7 +62,7 @@ class PagedAttention:
         device: torch.device,
         ops: ModelOps | None = None,
     ) -> None:
-        """`ops`: the model's (LlamaModel.ops); None picks them for this device, dtype and heads,
+        """`ops`: the model's (DecoderModel.ops); None picks them for this device, dtype and heads,
         the same way."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
         # torch.empty: pages are touched (and so resident on the CPU) only once used.
@@ -64,7 +71,10 @@ class PagedAttention:
         self.scale = head_dim**-0.5
         self.ops = ops if ops is not None else pick_ops(device, dtype, num_heads, head_dim)
         self.meta: StepMetadata | None = None
-        self._step_index: tuple[StepMetadata, StepIndex] | None = None  # (for which meta, index)
+        # For which meta: {window: (kv_start, gather index)}, built at the first layer that
+        # needs them and reused by the others (window 0: meta.kv_start).
+        self._parts: tuple[StepMetadata, dict[int, tuple[torch.Tensor, StepIndex | None]]] | None
+        self._parts = None
 
     def copy_pages(self, src: list[int], dst: list[int]) -> None:
         """Copy whole pages (all layers): a shared prefix's partial last page into a request's own."""
@@ -86,38 +96,55 @@ class PagedAttention:
         self.ops.rope_store(qkv, positions, cos, sin, num_heads, self.k_cache[layer],
                             self.v_cache[layer], self.meta.slot_mapping)
 
-    def attend(self, layer: int, q: torch.Tensor) -> torch.Tensor:
-        """q: [T, Hq, D] -> o: [T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, scale: float | None = None, window: int = 0,
+               softcap: float = 0.0) -> torch.Tensor:
+        """q: [T, Hq, D] -> o: [T, Hq, D]. scale (None: head_dim**-0.5), sliding window (0:
+        none) and soft-capping of the scores (0: none) are the model's, per layer."""
         m = self.meta
+        scale = self.scale if scale is None else scale
         kc, vc = self.k_cache[layer], self.v_cache[layer]
-        extra = {}
-        if self.ops.indexes_steps:
-            extra = {"step": self._index(m)}
-        elif self.ops.tiles_decodes and m.decode_seqs is not None:
-            extra = {"decode_seqs": m.decode_seqs, "max_context": m.max_context}
+        kv_start, index = self._part(m, window)
+        extra = {"step": index} if self.ops.indexes_steps else {}
+        if self.ops.tiles_decodes and m.decode_seqs is not None:
+            extra.update(decode_seqs=m.decode_seqs, max_context=m.max_context)
+        if window:  # the whole page table, no cascade (module docstring)
+            extra["window"] = window
         o, lse = self.ops.paged_attention(
-            q, kc, vc, m.page_table, m.cu_q, m.context_lens, m.kv_start, self.scale, **extra
+            q, kc, vc, m.page_table, m.cu_q, m.context_lens, kv_start, scale, softcap=softcap,
+            **extra
         )
-        if m.cascade_rows and self.ops.prefix_attention_into is not None:
-            n = m.cascade_rows
+        if window or not m.cascade_rows:
+            return o
+        n = m.cascade_rows
+        if self.ops.prefix_attention_into is not None:
             self.ops.prefix_attention_into(q[:n], kc, vc, m.prefix_pages, m.prefix_lens,
-                                           m.cu_prefix_q, self.scale, o[:n], lse[:n])
-        elif m.cascade_rows:
-            n = m.cascade_rows
+                                           m.cu_prefix_q, scale, o[:n], lse[:n], softcap=softcap)
+        else:
             qc = q[:n]
             o_pre, lse_pre = self.ops.prefix_attention(
-                qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, self.scale
+                qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, scale, softcap=softcap
             )
             merged, _ = self.ops.merge_states(o_pre, lse_pre, o[:n], lse[:n])
             o[:n] = merged
         return o
 
-    def _index(self, m: StepMetadata) -> StepIndex:
-        """The step's gather index, built at the first layer and reused by the others."""
-        if self._step_index is None or self._step_index[0] is not m:
-            _, _, page_size, hkv, _ = self.k_cache.shape
-            index = index_step(m.page_table, m.cu_q, m.context_lens, m.kv_start, page_size, hkv,
-                               gather_decodes=self.ops.gathers_decodes,
-                               gather_chunks=self.ops.gathers_chunks)
-            self._step_index = (m, index)
-        return self._step_index[1]
+    def _part(self, m: StepMetadata, window: int) -> tuple[torch.Tensor, StepIndex | None]:
+        """The own part's first key per sequence and the step's gather index for it (None when
+        the ops take none): meta.kv_start for global layers; for a window W, from the first key
+        the sequence's first query sees, max(0, context_len - q_len - W + 1)."""
+        if self._parts is None or self._parts[0] is not m:
+            self._parts = (m, {})
+        parts = self._parts[1]
+        if window not in parts:
+            start = m.kv_start
+            if window:
+                q_len = m.cu_q[1:] - m.cu_q[:-1]
+                start = (m.context_lens - q_len - window + 1).clamp_(min=0).to(torch.int32)
+            index = None
+            if self.ops.indexes_steps:
+                _, _, page_size, hkv, _ = self.k_cache.shape
+                index = index_step(m.page_table, m.cu_q, m.context_lens, start, page_size, hkv,
+                                   gather_decodes=self.ops.gathers_decodes,
+                                   gather_chunks=self.ops.gathers_chunks)
+            parts[window] = (start, index)
+        return parts[window]

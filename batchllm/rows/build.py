@@ -12,14 +12,19 @@ from batchllm.config import InputConfig, SamplingConfig
 from batchllm.rows.prompts import conversation, render_chats, tokenize
 from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
-from batchllm.sampling_params import SamplingParams
+from batchllm.sampling_params import CONSTRAINTS, SamplingParams
 
 _RENDER_BATCH = 1024  # conversations rendered per call of the chat template
 
 
 def row_sampling(defaults: SamplingConfig, overrides: dict[str, list], i: int) -> SamplingParams:
-    """The job's sampling settings, with row i's values from same-named input columns."""
+    """The job's sampling settings, with row i's values from same-named input columns.
+
+    A row's own structured output (a non-null json_schema, regex or choice cell) replaces the
+    job's, whichever kind that is; two given in one row make it an error row."""
     values = dataclasses.asdict(defaults)
+    if any(name in overrides and overrides[name][i] is not None for name in CONSTRAINTS):
+        values.update(dict.fromkeys(CONSTRAINTS))
     for name, column in overrides.items():
         if column[i] is not None:
             values[name] = column[i]

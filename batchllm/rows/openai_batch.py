@@ -133,7 +133,7 @@ def _json_schema(body: dict) -> str | None:
             and isinstance(spec.get("schema"), dict)):
         raise _Bad("body.response_format", "expected {type: text | json_object | json_schema, "
                    f"json_schema: {{schema: ...}}}}, got {_show(rf)}")
-    return json.dumps(spec["schema"], sort_keys=True)
+    return json.dumps(spec["schema"])  # key order kept: it is the order fields are generated in
 
 
 def _logprobs(body: dict, chat: bool) -> int | None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+from collections.abc import Callable
 from typing import IO, Any
 
 import pyarrow as pa
@@ -24,19 +25,41 @@ def _hex(*parts: object) -> str:
     return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
-def _choice(kind: str, index: int, line: dict) -> dict:
+TokenText = Callable[[int], str]  # a token id's text, as the tokenizer decodes it alone
+
+
+def _logprobs(kind: str, values: list[dict] | None, text: TokenText | None) -> dict | None:
+    """The `logprobs` column of one line in OpenAI's shape: chat `{"content": [{token, logprob,
+    bytes, top_logprobs}]}`, completions `{tokens, token_logprobs, top_logprobs}`."""
+    if values is None or text is None:
+        return None
+    if kind == "chat":
+        def entry(token_id: int, logprob: float) -> dict:
+            t = text(token_id)
+            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+
+        return {"content": [{**entry(v["token_id"], v["logprob"]),
+                             "top_logprobs": [entry(a["token_id"], a["logprob"])
+                                              for a in v["top"]]} for v in values]}
+    return {"tokens": [text(v["token_id"]) for v in values],
+            "token_logprobs": [v["logprob"] for v in values],
+            "top_logprobs": [{text(a["token_id"]): a["logprob"] for a in v["top"]}
+                             for v in values]}
+
+
+def _choice(kind: str, index: int, line: dict, text: TokenText | None) -> dict:
     choice: dict[str, Any] = {"index": index}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": line["completion"]}
     else:
         choice["text"] = line["completion"]
-    # hook: the `logprobs` output column (sampling.logprobs), once it exists, goes here
-    choice["logprobs"] = None
+    choice["logprobs"] = _logprobs(kind, line.get("logprobs"), text)
     choice["finish_reason"] = line["finish_reason"]
     return choice
 
 
-def result_line(kind: str, samples: list[dict], model: str, created: int) -> dict:
+def result_line(kind: str, samples: list[dict], model: str, created: int,
+                text: TokenText | None = None) -> dict:
     """One results line from the output rows of one input row (one per sample, in order)."""
     first = samples[0]
     custom_id = str(first["id"])
@@ -50,7 +73,7 @@ def result_line(kind: str, samples: list[dict], model: str, created: int) -> dic
         "object": "chat.completion" if kind == "chat" else "text_completion",
         "created": created,
         "model": model,
-        "choices": [_choice(kind, s.get("sample", k), s) for k, s in enumerate(samples)],
+        "choices": [_choice(kind, s.get("sample", k), s, text) for k, s in enumerate(samples)],
         "usage": {"prompt_tokens": first["prompt_tokens"], "completion_tokens": completion,
                   "total_tokens": first["prompt_tokens"] + completion,
                   "prompt_tokens_details": {"cached_tokens": first["cached_tokens"]}},
@@ -62,9 +85,10 @@ def result_line(kind: str, samples: list[dict], model: str, created: int) -> dic
 
 
 def write_results(table: pa.Table, f: IO[bytes], kinds: list[str] | str, model: str,
-                  created: int) -> None:
+                  created: int, text: TokenText | None = None) -> None:
     """The final table (input order; with a `sample` column, consecutive rows of one id are its
-    samples) as results lines. kinds: per input row, or for all rows, "chat" or "completion"."""
+    samples) as results lines. kinds: per input row, or for all rows, "chat" or "completion";
+    text: a token id's text, for the log-probabilities (the `logprobs` column)."""
     lines = table.to_pylist()
     row, k = 0, 0
     while k < len(lines):
@@ -72,6 +96,6 @@ def write_results(table: pa.Table, f: IO[bytes], kinds: list[str] | str, model: 
         while end < len(lines) and "sample" in lines[end] and lines[end]["id"] == lines[k]["id"]:
             end += 1
         kind = kinds if isinstance(kinds, str) else kinds[row]
-        out = result_line(kind, lines[k:end], model, created)
+        out = result_line(kind, lines[k:end], model, created, text)
         f.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
         row, k = row + 1, end

@@ -139,17 +139,28 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
     return ids
 
 
+def _is_text(t: pa.DataType) -> bool:
+    return pa.types.is_string(t) or pa.types.is_large_string(t)
+
+
+def _is_text_or_texts(t: pa.DataType) -> bool:
+    return _is_text(t) or (
+        (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_text(t.value_type))
+
+
 _COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
     "max_tokens": (pa.types.is_integer, "integers"),
+    "n": (pa.types.is_integer, "integers"),
+    "logprobs": (pa.types.is_integer, "integers"),
+    "json_schema": (_is_text, "strings (a JSON schema per row)"),
+    "regex": (_is_text, "strings"),
+    "choice": (_is_text_or_texts, "lists of strings, or strings holding a JSON list"),
     "top_k": (pa.types.is_integer, "integers"),
     "seed": (pa.types.is_integer, "integers"),
     "temperature": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
     "top_p": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
     "ignore_eos": (pa.types.is_boolean, "booleans"),
-    "stop": (lambda t: pa.types.is_string(t) or pa.types.is_large_string(t) or (
-        (pa.types.is_list(t) or pa.types.is_large_list(t))
-        and (pa.types.is_string(t.value_type) or pa.types.is_large_string(t.value_type))),
-        "strings or lists of strings"),
+    "stop": (_is_text_or_texts, "strings or lists of strings"),
 }
 
 
@@ -197,6 +208,8 @@ def _override(name: str, col: pa.ChunkedArray) -> list:
     values = col.to_pylist()
     if name == "stop":
         values = [v if v is None else (v,) if isinstance(v, str) else tuple(v) for v in values]
+    elif name == "choice":  # a list column; a string column holds JSON (SamplingParams parses)
+        values = [tuple(v) if isinstance(v, list) else v for v in values]
     return values
 
 

@@ -8,13 +8,25 @@ reason in `error` and is written like any other: errors are data, never exceptio
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import numpy as np
 
-from batchllm.sampling_params import SamplingParams
+from batchllm.sampling_params import MAX_N, SamplingParams
 
 ERROR = "error"  # the finish_reason of a row that failed
+
+
+class TokenLogprob(NamedTuple):
+    """One generated token's log-probability and the top-k alternatives (best first), under the
+    distribution it was drawn from: the logits over the temperature (1 when greedy), after the
+    structured-output mask, before top-k/top-p (engine/sampler.py `token_logprobs`)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]  # [(token_id, logprob)] * k
 
 
 @dataclass(eq=False, slots=True)
@@ -24,6 +36,9 @@ class Row:
     index: the row's position over all input files (its identity in checkpoints and the order
     of the final file); id: the value of the input id column (the row index when there is none),
     which also keys the row's random generator.
+
+    sample: which of the input row's sampling.n completions this record is (0..n-1); the run
+    makes one record per sample (`samples`), and (index, sample) identifies it in checkpoints.
     """
 
     index: int
@@ -32,11 +47,13 @@ class Row:
     sampling: SamplingParams
     prompt: str | None = None  # the rendered prompt text (written when output.include_prompt)
     error: str | None = None  # why the row cannot run or failed, in words a user can act on
+    sample: int = 0
     # The result, filled in by the engine when the row finishes.
     token_ids: list[int] = field(default_factory=list)
     completion: str | None = None
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from a shared prefix instead of computed
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when sampling.logprobs > 0
 
     def __post_init__(self) -> None:
         if self.error is not None:
@@ -45,6 +62,34 @@ class Row:
     @property
     def prompt_tokens(self) -> int:
         return 0 if self.prompt_ids is None else len(self.prompt_ids)
+
+    @property
+    def key(self) -> tuple[int, int]:
+        """(index, sample): the record's identity in checkpoints and the final file's order."""
+        return self.index, self.sample
+
+    def listed_in(self, keys: Collection[int | tuple[int, int]]) -> bool:
+        """Whether `keys` (rows done by an earlier run) name this record: its index (every sample
+        of the row is done) or its (index, sample)."""
+        return self.index in keys or (self.index, self.sample) in keys
+
+    @property
+    def num_samples(self) -> int:
+        """sampling.n when it is valid, else 1 (the row is then an error row: one record)."""
+        n = self.sampling.n
+        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+
+    @property
+    def wants_logprobs(self) -> bool:
+        k = self.sampling.logprobs
+        return isinstance(k, int) and not isinstance(k, bool) and k > 0
+
+    def samples(self) -> list[Row]:
+        """This record as sample 0 and one fresh copy per further sample (n - 1 of them)."""
+        return [self] + [
+            Row(self.index, self.id, self.prompt_ids, self.sampling, self.prompt, self.error, s)
+            for s in range(1, self.num_samples)
+        ]
 
     @property
     def ok(self) -> bool:
@@ -58,10 +103,14 @@ class Row:
         self.completion = None
         self.token_ids = []
         self.cached_tokens = 0
+        self.logprobs = [] if self.wants_logprobs else None
 
-    def finish(self, token_ids: list[int], text: str, reason: str, cached_tokens: int) -> None:
-        """The engine's result: the generated ids, their text, stop or length."""
+    def finish(self, token_ids: list[int], text: str, reason: str, cached_tokens: int,
+               logprobs: list[TokenLogprob] | None = None) -> None:
+        """The engine's result: the generated ids, their text, stop or length, and the tokens'
+        log-probabilities when asked for."""
         self.token_ids = token_ids
         self.completion = text
         self.finish_reason = reason
         self.cached_tokens = cached_tokens
+        self.logprobs = logprobs

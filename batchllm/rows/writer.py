@@ -31,6 +31,14 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError
 from batchllm.rows import storage
 from batchllm.rows.record import ERROR, Row
+from batchllm.rows.samples import (
+    SAMPLE_FIELDS,
+    check_complete,
+    done_keys,
+    extra_fields,
+    sample_values,
+    unique_lines,
+)
 
 FINGERPRINT_KEY = b"batchllm.fingerprint"
 
@@ -45,6 +53,7 @@ _PART_FIELDS = [
     pa.field("error", pa.string()),
     pa.field("prompt", pa.string()),
     pa.field("token_ids", pa.list_(pa.int32())),
+    *SAMPLE_FIELDS,  # sample, samples (the row's n), logprobs: rows/samples.py
 ]
 
 
@@ -70,7 +79,7 @@ def part_row(row: Row) -> dict[str, Any]:
         "row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
         "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
         "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
-        "token_ids": row.token_ids, "id": row.id,
+        "token_ids": row.token_ids, "id": row.id, **sample_values(row),
     }
 
 
@@ -97,14 +106,15 @@ def _schema_problem(schema: pa.Schema) -> str | None:
 
 
 def output_schema(id_type: pa.DataType, include_prompt: bool = False,
-                  include_token_ids: bool = False) -> pa.Schema:
-    """The final file's schema (DESIGN.md "Output Parquet"), without metadata."""
+                  include_token_ids: bool = False, extra: list[pa.Field] = ()) -> pa.Schema:
+    """The final file's schema (DESIGN.md "Output Parquet"), without metadata; `extra`: the
+    sample and logprobs fields the lines call for (rows/samples.py extra_fields)."""
     fields = [pa.field("id", id_type)] + [f for f in _PART_FIELDS if f.name in OUTPUT_COLUMNS]
     if include_prompt:
         fields.append(_PART_FIELDS[7])
     if include_token_ids:
         fields.append(_PART_FIELDS[8])
-    return pa.schema(fields)
+    return pa.schema(fields + list(extra))
 
 
 class CheckpointWriter:
@@ -213,14 +223,18 @@ class CheckpointWriter:
             self._discard(name, f"was written by another job (differs in: {differs})")
         return tables
 
-    def done_rows(self) -> set[int]:
-        """Row indices already in parts (plus any buffered); bad parts and other jobs' parts
-        are moved aside. ConfigError when the parts hold no part of this job but some of
-        another (the job changed since the checkpoint)."""
-        done = {r["row"] for r in self._rows}
-        for table in self._read_parts(["row"]):
-            done.update(table.column("row").to_pylist())
-        return done
+    def done_rows(self) -> set[int | tuple[int, int]]:
+        """What is already in parts (plus any buffered): the index of each row with all its
+        samples there, and (index, sample) for the samples of a row not all done (with n = 1:
+        row indices only). Bad parts and other jobs' parts are moved aside; ConfigError when the
+        parts hold no part of this job but some of another (the job changed since the
+        checkpoint)."""
+        keys = ("row", "sample", "samples")
+        columns = [[np.asarray([r[k] for r in self._rows], np.int64)] for k in keys]
+        for table in self._read_parts(list(keys)):
+            for col, k in zip(columns, keys):
+                col.append(table.column(k).to_numpy())
+        return done_keys(*(np.concatenate(c) for c in columns))
 
     # -- the end -------------------------------------------------------------------------------
     def finalize(self, id_type: pa.DataType, metadata: dict[str, str], include_prompt: bool,
@@ -228,24 +242,18 @@ class CheckpointWriter:
                  write_final: Callable[[pa.Table, IO[bytes]], None] | None = None) -> Finalized:
         """Write the final file sorted by row, atomically, then remove the parts folder.
 
-        With num_rows, check that rows 0..num_rows-1 are all there (RuntimeError if not).
+        One line per (row, sample), in that order. With num_rows, check that rows
+        0..num_rows-1 are all there with all their samples (RuntimeError if not).
         write_final(table, file): writes the final table in another format (default Parquet).
-        Returns the path and the rows written, error rows counted as they are written.
+        Returns the path and the lines written, error lines counted as they are written.
         """
         self.flush()
-        schema = output_schema(id_type, include_prompt, include_token_ids)
-        parts = [t.select([f.name for f in _PART_FIELDS] + ["id"]).cast(
-            pa.schema(_PART_FIELDS + [pa.field("id", id_type)])) for t in self._read_parts()]
-        table = (pa.concat_tables(parts) if parts
-                 else schema.empty_table().append_column("row", pa.array([], pa.int64())))
-        table = table.sort_by("row")
-        rows = table.column("row").to_numpy()
-        keep = np.flatnonzero(np.r_[True, rows[1:] != rows[:-1]][: len(rows)])  # twice -> once
-        table, rows = table.take(keep), rows[keep]
-        if num_rows is not None and not np.array_equal(rows, np.arange(num_rows)):
-            missing = np.setdiff1d(np.arange(num_rows), rows)
-            raise RuntimeError(f"finalize: {len(missing)} of {num_rows} rows are missing "
-                               f"(e.g. {missing[:5].tolist()}), or rows beyond {num_rows - 1}")
+        part_schema = pa.schema(_PART_FIELDS + [pa.field("id", id_type)])
+        parts = [t.select(part_schema.names).cast(part_schema) for t in self._read_parts()]
+        table = unique_lines(pa.concat_tables(parts) if parts else part_schema.empty_table())
+        if num_rows is not None:
+            check_complete(table, num_rows)
+        schema = output_schema(id_type, include_prompt, include_token_ids, extra_fields(table))
         final = table.select(schema.names).cast(schema).replace_schema_metadata(metadata)
         storage.makedirs(storage.dirname(self.output_path))
         write = write_final or pq.write_table

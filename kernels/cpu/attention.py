@@ -23,19 +23,23 @@ def paged_attention_cpu(
     kv_start: torch.Tensor,  # [B] int32
     scale: float,
     step: StepIndex,
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """paged_attention_ref with its parts in C: same arguments, same results (to rounding)."""
     t, hq, d = q.shape
     o = q.new_zeros(t, hq, d)
     lse = torch.full((t, hq), float("-inf"), dtype=torch.float32)
     if step.decodes or not len(step.decode_seqs):
-        attend_decodes(q, k_cache, v_cache, step, scale, o, lse)
+        attend_decodes(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
     else:
         decode.decode_attention(q, k_cache, v_cache, page_table, context_lens, kv_start,
-                                step.decode_seqs, step.decode_rows, scale, o, lse)
+                                step.decode_seqs, step.decode_rows, scale, o, lse, window,
+                                softcap)
     if step.chunks or not len(step.chunk_seqs):
-        attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
+        attend_chunks(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
     else:
         prefill.prefill_attention(q, k_cache, v_cache, page_table, cu_q, context_lens,
-                                  kv_start, step.chunk_seqs, scale, o, lse)
+                                  kv_start, step.chunk_seqs, scale, o, lse, window, softcap)
     return o, lse

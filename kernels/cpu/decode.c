@@ -9,7 +9,9 @@
  * then its exponentials (8 at a time), then its values. The next page's keys and the current
  * page's values are prefetched while the scores are computed (the pages are scattered).
  * Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and lse = -inf
- * for a sequence with no key).
+ * for a sequence with no key). A sliding window moves a sequence's first key; soft-capping
+ * (Gemma 2) runs in its own inlined copy of the per-sequence loop, so neither costs the Llama
+ * path anything.
  *
  * Shapes (float32, int32 indices, contiguous but q's rows):
  *   q [T, Hq, D] with rows q_stride floats apart; o [T, Hq, D]; lse [T, Hq];
@@ -108,63 +110,86 @@ int cpu_decode_limits(int64_t num_q_heads, int64_t head_dim) {
     return num_q_heads <= MAX_HEADS && head_dim <= MAX_HEAD_DIM;
 }
 
+/* One sequence: every query head against the keys lo .. end - 1 of its page table row, its
+ * scores soft-capped when CAPPED. Inlined into the two entry loops below with CAPPED a constant,
+ * so the Llama path (CAPPED 0) compiles to the loop without the cap. */
+static inline __attribute__((always_inline)) void decode_seq(
+    const float *q, int64_t q_stride, const float *k_cache, const float *v_cache,
+    const int32_t *table, int64_t lo0, int64_t end, int64_t row, int64_t num_q_heads,
+    int64_t num_kv_heads, int64_t head_dim, int64_t page_size, float scale, const int CAPPED,
+    float softcap, float *o, float *lse) {
+    const int64_t G = num_q_heads / num_kv_heads, D = head_dim, S = page_size, H = num_q_heads;
+    const int64_t token_stride = num_kv_heads * D;
+    float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
+    float s[MAX_HEADS][BLOCK], m[MAX_HEADS], l[MAX_HEADS];
+    for (int64_t hq = 0; hq < H; hq++) {
+        const float *qh = q + row * q_stride + hq * D;
+        m[hq] = -INFINITY;
+        l[hq] = 0.f;
+        for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }
+    }
+    for (int64_t lo = lo0; lo < end; lo += BLOCK) {
+        const int64_t hi = end - lo < BLOCK ? end : lo + BLOCK;
+        for (int64_t pos = lo; pos < hi;) {  /* scores of the block, a page run at a time */
+            int64_t slot, next_slot;
+            const int64_t len = page_run(table, S, pos, hi, &slot);
+            /* fetch the next run's keys, and this run's values for after the softmax */
+            if (pos + len < end) {
+                const int64_t next_len = page_run(table, S, pos + len, end, &next_slot);
+                prefetch_run(k_cache + next_slot * token_stride, next_len * token_stride);
+            }
+            prefetch_run(v_cache + slot * token_stride, len * token_stride);
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *k = k_cache + slot * token_stride + h * D;
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
+                    page_scores(qs[hq], k, token_stride, len, D, s[hq] + (pos - lo));
+            }
+            pos += len;
+        }
+        for (int64_t hq = 0; hq < H; hq++) {  /* online softmax over the block */
+            if (CAPPED) soft_cap(s[hq], hi - lo, softcap);
+            softmax_step(s[hq], hi - lo, &m[hq], &l[hq], acc[hq], D);
+        }
+        for (int64_t pos = lo; pos < hi;) {  /* values, a page run at a time */
+            int64_t slot;
+            const int64_t len = page_run(table, S, pos, hi, &slot);
+            for (int64_t h = 0; h < num_kv_heads; h++) {
+                const float *v = v_cache + slot * token_stride + h * D;
+                for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
+                    page_values(s[hq] + (pos - lo), v, token_stride, len, D, acc[hq]);
+            }
+            pos += len;
+        }
+    }
+    for (int64_t hq = 0; hq < H; hq++) {
+        const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
+        for (int64_t d = 0; d < D; d++) o[(row * H + hq) * D + d] = acc[hq][d] * inv;
+        lse[row * H + hq] = l[hq] > 0.f ? m[hq] + logf(l[hq]) : -INFINITY;
+    }
+}
+
+/* window > 0: the query (at position context_len - 1) sees only the last `window` keys, so a
+ * sequence starts at max(kv_start, context_len - window), once, outside the loops. softcap > 0:
+ * scores s -> softcap * tanh(s / softcap) after scaling. */
 void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache,
                           const float *v_cache,
                           const int32_t *page_table, int64_t max_pages,
                           const int32_t *context_lens, const int32_t *kv_start,
                           const int32_t *seqs, const int32_t *rows, int64_t n,
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t page_size, float scale, float *o, float *lse) {
-    const int64_t G = num_q_heads / num_kv_heads, D = head_dim, S = page_size, H = num_q_heads;
-    const int64_t token_stride = num_kv_heads * D;
+                          int64_t page_size, float scale, int64_t window, float softcap,
+                          float *o, float *lse) {
 #pragma omp parallel for schedule(dynamic, 1)
     for (int64_t i = 0; i < n; i++) {
-        float qs[MAX_HEADS][MAX_HEAD_DIM], acc[MAX_HEADS][MAX_HEAD_DIM];
-        float s[MAX_HEADS][BLOCK], m[MAX_HEADS], l[MAX_HEADS];
-        const int64_t b = seqs[i], row = rows[i];
-        for (int64_t hq = 0; hq < H; hq++) {
-            const float *qh = q + row * q_stride + hq * D;
-            m[hq] = -INFINITY;
-            l[hq] = 0.f;
-            for (int64_t d = 0; d < D; d++) { qs[hq][d] = qh[d] * scale; acc[hq][d] = 0.f; }
-        }
-        const int64_t end = context_lens[b];
+        const int64_t b = seqs[i], end = context_lens[b];
+        int64_t lo = kv_start[b];
+        if (window > 0 && end - window > lo) lo = end - window;
         const int32_t *table = page_table + b * max_pages;
-        for (int64_t lo = kv_start[b]; lo < end; lo += BLOCK) {
-            const int64_t hi = end - lo < BLOCK ? end : lo + BLOCK;
-            for (int64_t pos = lo; pos < hi;) {  /* scores of the block, a page run at a time */
-                int64_t slot, next_slot;
-                const int64_t len = page_run(table, S, pos, hi, &slot);
-                /* fetch the next run's keys, and this run's values for after the softmax */
-                if (pos + len < end) {
-                    const int64_t next_len = page_run(table, S, pos + len, end, &next_slot);
-                    prefetch_run(k_cache + next_slot * token_stride, next_len * token_stride);
-                }
-                prefetch_run(v_cache + slot * token_stride, len * token_stride);
-                for (int64_t h = 0; h < num_kv_heads; h++) {
-                    const float *k = k_cache + slot * token_stride + h * D;
-                    for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
-                        page_scores(qs[hq], k, token_stride, len, D, s[hq] + (pos - lo));
-                }
-                pos += len;
-            }
-            for (int64_t hq = 0; hq < H; hq++)  /* online softmax over the block */
-                softmax_step(s[hq], hi - lo, &m[hq], &l[hq], acc[hq], D);
-            for (int64_t pos = lo; pos < hi;) {  /* values, a page run at a time */
-                int64_t slot;
-                const int64_t len = page_run(table, S, pos, hi, &slot);
-                for (int64_t h = 0; h < num_kv_heads; h++) {
-                    const float *v = v_cache + slot * token_stride + h * D;
-                    for (int64_t hq = h * G; hq < (h + 1) * G; hq++)
-                        page_values(s[hq] + (pos - lo), v, token_stride, len, D, acc[hq]);
-                }
-                pos += len;
-            }
-        }
-        for (int64_t hq = 0; hq < H; hq++) {
-            const float inv = l[hq] > 0.f ? 1.f / l[hq] : 0.f;
-            for (int64_t d = 0; d < D; d++) o[(row * H + hq) * D + d] = acc[hq][d] * inv;
-            lse[row * H + hq] = l[hq] > 0.f ? m[hq] + logf(l[hq]) : -INFINITY;
-        }
+        if (softcap > 0.f)
+            decode_seq(q, q_stride, k_cache, v_cache, table, lo, end, rows[i], num_q_heads,
+                       num_kv_heads, head_dim, page_size, scale, 1, softcap, o, lse);
+        else
+            decode_seq(q, q_stride, k_cache, v_cache, table, lo, end, rows[i], num_q_heads,
+                       num_kv_heads, head_dim, page_size, scale, 0, 0.f, o, lse);
     }
 }

@@ -27,7 +27,8 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_decode_limits.argtypes = [i64, i64]
     lib.cpu_decode_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                                         i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+                                         i64, i64, i64, i64, ctypes.c_float, i64, ctypes.c_float,
+                                         ptr, ptr]
     lib.cpu_decode_attention.restype = None
     return lib
 
@@ -51,8 +52,11 @@ def decode_attention(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D] fp32, written at `rows`
     lse: torch.Tensor,  # [T, Hq] fp32, written at `rows`
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Each one-query sequence's query against its keys kv_start .. context_len - 1."""
+    """Each one-query sequence's query against its keys kv_start .. context_len - 1 (the last
+    `window` of them when window > 0; scores soft-capped when softcap > 0)."""
     q, (table, ctx, start, seqs, rows) = attention_args(
         "decode_attention", q, (k_cache, v_cache, o, lse),
         (page_table, context_lens, kv_start, seqs, rows))
@@ -60,5 +64,5 @@ def decode_attention(
     load().cpu_decode_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
         table.shape[1], ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(), rows.data_ptr(),
-        seqs.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(),
-        lse.data_ptr())
+        seqs.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, window, softcap,
+        o.data_ptr(), lse.data_ptr())

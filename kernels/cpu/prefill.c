@@ -9,7 +9,9 @@
  * values as rows, into buffers of the thread), scores by a 6x16 register tile, online softmax
  * with the 8-wide exp, values by a 6x16 tile. Key blocks past the last query's position are skipped
  * (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and
- * lse = -inf for a query that sees no key).
+ * lse = -inf for a query that sees no key). A sliding window skips the key blocks before a block's
+ * first query's window and masks each row's earlier keys; soft-capping caps the scores before
+ * the softmax; both only in their own inlined copy of the work item (attend_block's PLAIN).
  *
  * Shapes (float32, int32 indices, contiguous but q's rows, q_stride floats apart): q, o
  * [T, Hq, D]; lse [T, Hq];
@@ -35,9 +37,10 @@ typedef struct {
     float *q, *o, *s, *kt, *v, *m, *l;
 } Buffers;
 
-/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0+15 */
-static inline void score_tile(const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0,
-                              float *s) {
+/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0+15 (both tiles always inlined:
+ * with attend_block's two copies in run(), the compiler would otherwise call them per tile) */
+static inline __attribute__((always_inline)) void score_tile(
+    const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0, float *s) {
 #ifdef __AVX2__
     __m256 c[RT][2];
     for (int i = 0; i < RT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
@@ -65,8 +68,8 @@ static inline void score_tile(const float *q, const float *kt, int64_t D, int64_
 }
 
 /* o[r][d0 .. d0+15] += sum_t p[r][t] v[t][d0 .. d0+15] for rows r0 .. r0+5, t < nk */
-static inline void value_tile(const float *p, const float *v, int64_t D, int64_t nk, int64_t r0,
-                              int64_t d0, float *o) {
+static inline __attribute__((always_inline)) void value_tile(
+    const float *p, const float *v, int64_t D, int64_t nk, int64_t r0, int64_t d0, float *o) {
 #ifdef __AVX2__
     __m256 a[RT][2];
     for (int i = 0; i < RT; i++)
@@ -100,19 +103,25 @@ typedef struct {
     float scale;
     int causal; /* a query sees keys up to its own position (else all of key_lo .. key_end) */
     int merge;  /* start from the state that o and lse hold (another part over other keys) */
+    int64_t window; /* > 0 (causal only): a query at p sees keys p - window + 1 .. p only */
+    float softcap;  /* > 0: scores s -> softcap * tanh(s / softcap) after scaling */
     float *o, *lse;
 } Call;
 
 /* One work item: KV head h, the queries qi0 .. qi0 + nq - 1 of a sequence (or group) whose
  * queries sit at rows first_row.. and positions first_pos.., against keys key_lo .. key_end - 1
- * in the pages of `table`. */
-static void attend_block(const Call *c, const int32_t *table, int64_t first_row,
-                         int64_t first_pos, int64_t key_lo, int64_t key_end, int64_t qi0,
-                         int64_t nq, int64_t h, Buffers *w) {
+ * in the pages of `table`. PLAIN (a constant where it is inlined, in run()): no window and no
+ * soft-capping, so the Llama path compiles to the loop without either. */
+static inline __attribute__((always_inline)) void attend_block(
+    const Call *c, const int32_t *table, int64_t first_row, int64_t first_pos, int64_t key_lo,
+    int64_t key_end, int64_t qi0, int64_t nq, int64_t h, Buffers *w, const int PLAIN) {
     const int64_t Hq = c->Hq, Hkv = c->Hkv, D = c->D, S = c->S;
     const int64_t G = Hq / Hkv, R = nq * G, Rp = (R + RT - 1) / RT * RT;
+    const int64_t window = PLAIN ? 0 : c->window;
     int64_t last_key = key_end - 1; /* the last key any query of the block sees */
     if (c->causal && first_pos + qi0 + nq - 1 < last_key) last_key = first_pos + qi0 + nq - 1;
+    if (window > 0 && first_pos + qi0 - window + 1 > key_lo) /* the first query's window */
+        key_lo = first_pos + qi0 - window + 1;
     for (int64_t r = 0; r < Rp; r++) {
         const int64_t qi = r / G, head = h * G + r % G, row = first_row + qi0 + qi;
         for (int64_t d = 0; d < D; d++)
@@ -143,11 +152,19 @@ static void attend_block(const Call *c, const int32_t *table, int64_t first_row,
         }
         for (int64_t r0 = 0; r0 < Rp; r0 += RT)
             for (int64_t t0 = 0; t0 < nkp; t0 += 16) score_tile(w->q, w->kt, D, r0, t0, w->s);
-        for (int64_t r = 0; r < Rp; r++) { /* causal limit, online softmax */
+        for (int64_t r = 0; r < Rp; r++) { /* causal limit (and window), online softmax */
             float *s = w->s + r * KB;
             int64_t valid = r < R ? (c->causal ? first_pos + qi0 + r / G - k0 + 1 : nk) : 0;
             valid = valid < 0 ? 0 : (valid > nk ? nk : valid);
-            if (valid > 0) softmax_step(s, valid, &w->m[r], &w->l[r], w->o + r * D, D);
+            int64_t from = 0; /* keys of the block before the row's window */
+            if (window > 0) {
+                from = first_pos + qi0 + r / G - window + 1 - k0;
+                from = from < 0 ? 0 : (from > valid ? valid : from);
+                for (int64_t t = 0; t < from; t++) s[t] = 0.f;
+            }
+            if (!PLAIN && c->softcap > 0.f) soft_cap(s + from, valid - from, c->softcap);
+            if (valid > from)
+                softmax_step(s + from, valid - from, &w->m[r], &w->l[r], w->o + r * D, D);
             for (int64_t t = valid; t < nkp; t++) s[t] = 0.f;
         }
         for (int64_t r0 = 0; r0 < Rp; r0 += RT)
@@ -190,6 +207,7 @@ static void run(const Call *c, const int32_t *page_table, int64_t max_pages, con
         first_item[i + 1] = first_item[i] + c->Hkv * query_blocks(nq, c->Hkv, n);
     }
     const int64_t items = first_item[n], D = c->D;
+    const int plain = c->window == 0 && !(c->softcap > 0.f);
     const int64_t Rp = (QB * (c->Hq / c->Hkv) + RT - 1) / RT * RT;
 #pragma omp parallel
     {
@@ -211,8 +229,12 @@ static void run(const Call *c, const int32_t *page_table, int64_t max_pages, con
             const int64_t blocks = (first_item[i + 1] - first_item[i]) / c->Hkv;
             const int64_t local = item - first_item[i], h = local / blocks, k = local % blocks;
             const int64_t qi0 = k * nq_all / blocks, nq = (k + 1) * nq_all / blocks - qi0;
-            attend_block(c, page_table + b * max_pages, cu_q[b], key_end[b] - nq_all,
-                         kv_start ? kv_start[b] : 0, key_end[b], qi0, nq, h, &w);
+            const int32_t *table = page_table + b * max_pages;
+            const int64_t first_pos = key_end[b] - nq_all, lo = kv_start ? kv_start[b] : 0;
+            if (plain)
+                attend_block(c, table, cu_q[b], first_pos, lo, key_end[b], qi0, nq, h, &w, 1);
+            else
+                attend_block(c, table, cu_q[b], first_pos, lo, key_end[b], qi0, nq, h, &w, 0);
         }
         free(mem);
     }
@@ -220,15 +242,16 @@ static void run(const Call *c, const int32_t *page_table, int64_t max_pages, con
 }
 
 /* Prefill chunks: sequence seqs[i]'s queries attend causally to keys kv_start .. their own
- * position; writes their rows of o and lse. */
+ * position (the last `window` of them when window > 0); writes their rows of o and lse. */
 void cpu_prefill_attention(const float *q, int64_t q_stride, const float *k_cache,
                            const float *v_cache, const int32_t *page_table, int64_t max_pages,
                            const int32_t *cu_q, const int32_t *context_lens,
                            const int32_t *kv_start, const int32_t *seqs, int64_t n,
                            int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t page_size, float scale, float *o, float *lse) {
+                           int64_t page_size, float scale, int64_t window, float softcap,
+                           float *o, float *lse) {
     const Call c = {q, k_cache, v_cache, q_stride, num_q_heads, num_kv_heads, head_dim,
-                    page_size, scale, 1, 0, o, lse};
+                    page_size, scale, 1, 0, window, softcap, o, lse};
     run(&c, page_table, max_pages, cu_q, context_lens, kv_start, seqs, n);
 }
 
@@ -239,8 +262,9 @@ void cpu_prefix_attention(const float *q, int64_t q_stride, const float *k_cache
                           const float *v_cache, const int32_t *prefix_pages, int64_t max_pages,
                           const int32_t *cu_q, const int32_t *prefix_lens, int64_t groups,
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
-                          int64_t page_size, float scale, float *o, float *lse) {
+                          int64_t page_size, float scale, float softcap, float *o,
+                          float *lse) {
     const Call c = {q, k_cache, v_cache, q_stride, num_q_heads, num_kv_heads, head_dim,
-                    page_size, scale, 0, 1, o, lse};
+                    page_size, scale, 0, 1, 0, softcap, o, lse};
     run(&c, prefix_pages, max_pages, cu_q, prefix_lens, 0, 0, groups);
 }

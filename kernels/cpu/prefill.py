@@ -30,10 +30,11 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_prefill_supports.argtypes = [i64]
     lib.cpu_prefill_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, ptr, ptr, i64,
-                                          i64, i64, i64, i64, ctypes.c_float, ptr, ptr]
+                                          i64, i64, i64, i64, ctypes.c_float, i64,
+                                          ctypes.c_float, ptr, ptr]
     lib.cpu_prefill_attention.restype = None
     lib.cpu_prefix_attention.argtypes = [ptr, i64, ptr, ptr, ptr, i64, ptr, ptr, i64, i64, i64,
-                                         i64, i64, ctypes.c_float, ptr, ptr]
+                                         i64, i64, ctypes.c_float, ctypes.c_float, ptr, ptr]
     lib.cpu_prefix_attention.restype = None
     return lib
 
@@ -56,8 +57,11 @@ def prefill_attention(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D] fp32, written at those sequences' rows
     lse: torch.Tensor,  # [T, Hq] fp32, written at those sequences' rows
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
-    """Each chunk's queries against its keys kv_start .. the query's own position (causal)."""
+    """Each chunk's queries against its keys kv_start .. the query's own position (causal; the
+    last `window` of them when window > 0; scores soft-capped when softcap > 0)."""
     q, (table, cu, ctx, start, seqs) = attention_args(
         "prefill_attention", q, (k_cache, v_cache, o, lse),
         (page_table, cu_q, context_lens, kv_start, seqs))
@@ -65,8 +69,8 @@ def prefill_attention(
     load().cpu_prefill_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), table.data_ptr(),
         table.shape[1], cu.data_ptr(), ctx.data_ptr(), start.data_ptr(), seqs.data_ptr(),
-        seqs.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, o.data_ptr(),
-        lse.data_ptr())
+        seqs.shape[0], hq, k_cache.shape[2], d, k_cache.shape[1], scale, window, softcap,
+        o.data_ptr(), lse.data_ptr())
 
 
 def prefix_attention_into(
@@ -79,6 +83,8 @@ def prefix_attention_into(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D] fp32: the rows' own part in, both parts merged out
     lse: torch.Tensor,  # [T, Hq] fp32, likewise
+    *,
+    softcap: float = 0.0,
 ) -> None:
     """Each group's queries against all its prefix keys, merged into the state o and lse hold:
     prefix_attention_ref + merge_states_ref in one pass."""
@@ -88,5 +94,5 @@ def prefix_attention_into(
     load().cpu_prefix_attention(
         q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), pages.data_ptr(),
         pages.shape[1], cu.data_ptr(), lens.data_ptr(), lens.shape[0], hq, k_cache.shape[2], d,
-        k_cache.shape[1], scale, o.data_ptr(), lse.data_ptr())
+        k_cache.shape[1], scale, softcap, o.data_ptr(), lse.data_ptr())
 

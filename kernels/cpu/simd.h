@@ -67,6 +67,23 @@ static inline float row_max(const float *s, int64_t len, float floor) {
     return top;
 }
 
+/* s[t] = cap * tanh(s[t] / cap) for t < len (attention-logit soft-capping, Gemma 2), with
+ * tanh(x) = 1 - 2 / (e^(2x) + 1): exact at both ends (e^(2x) clamped), ~1e-7 absolute near 0. */
+static inline void soft_cap(float *s, int64_t len, float cap) {
+    const float inv = 1.f / cap;
+    int64_t t = 0;
+#ifdef __AVX2__
+    const __m256 one = _mm256_set1_ps(1.f), two = _mm256_set1_ps(2.f);
+    const __m256 c = _mm256_set1_ps(cap), twice_inv = _mm256_set1_ps(2.f * inv);
+    for (; t + 8 <= len; t += 8) {
+        const __m256 e = exp8(_mm256_mul_ps(_mm256_loadu_ps(s + t), twice_inv));
+        const __m256 th = _mm256_sub_ps(one, _mm256_div_ps(two, _mm256_add_ps(e, one)));
+        _mm256_storeu_ps(s + t, _mm256_mul_ps(c, th));
+    }
+#endif
+    for (; t < len; t++) s[t] = cap * tanhf(s[t] * inv);
+}
+
 /* One block of the online softmax of one query row: its scores s[0 .. len) become
  * e^(s - m') with m' = max(*m, scores); the running sum *l and the D accumulated outputs in acc
  * are rescaled from *m to m', *l gains the block's sum, *m = m'. (*m = -inf: nothing yet.) */

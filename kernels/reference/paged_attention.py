@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference.attend import attend_rows
+from kernels.reference.attend import attend_rows, soft_cap, visible_keys
 from kernels.reference.step_index import StepIndex, index_step
 
 
@@ -21,13 +21,15 @@ def _attend_one_query(
     v: torch.Tensor,  # [B, Hkv, Tk, D]
     bias: torch.Tensor,  # [B, 1, 1, Tk] fp32, 0 where visible, -inf elsewhere
     scale: float,
+    softcap: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [B, Hq, D], lse [B, Hq] fp32
     """One query per sequence: the G query heads of KV head h against h's keys in one product
     per (sequence, KV head)."""
     b, hq, d = q.shape
     hkv = k.shape[1]
     qg = (q * scale).view(b, hkv, hq // hkv, d)  # [B, Hkv, G, D]
-    s = torch.matmul(qg, k.transpose(-1, -2)).float().add_(bias)  # [B, Hkv, G, Tk]
+    s = soft_cap(torch.matmul(qg, k.transpose(-1, -2)).float(), softcap)  # [B, Hkv, G, Tk]
+    s.add_(bias)
     m = s.amax(dim=-1, keepdim=True)  # [B, Hkv, G, 1]
     m = torch.where(torch.isinf(m), torch.zeros_like(m), m)  # a sequence with no visible key
     p = s.sub_(m).exp_()
@@ -56,12 +58,16 @@ def paged_attention_ref(
     kv_start: torch.Tensor,  # [B] int32, first key position of this part
     scale: float,
     step: StepIndex | None = None,  # index_step(...) of these arguments, shared by all layers
+    *,
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
     The query at position p of sequence b sees keys at positions kv_start[b] <= j <= p, where the
-    sequence's queries hold its last q_len positions before context_lens[b]. Decodes (one query)
-    run as padded batches of similar lengths; longer chunks one by one.
+    sequence's queries hold its last q_len positions before context_lens[b]; with window W > 0
+    only those > p - W. softcap c > 0: scores s -> c * tanh(s / c) after scaling. Decodes (one
+    query) run as padded batches of similar lengths; longer chunks one by one.
     """
     t, hq, d = q.shape
     hkv = k_cache.shape[2]
@@ -73,8 +79,8 @@ def paged_attention_ref(
         step = index_step(page_table, cu_q, context_lens, kv_start, k_cache.shape[1], hkv)
     if (len(step.decode_seqs) and not step.decodes) or (len(step.chunk_seqs) and not step.chunks):
         raise ValueError("paged_attention_ref: the step was indexed without gather rows")
-    attend_decodes(q, k_cache, v_cache, step, scale, o, lse)
-    attend_chunks(q, k_cache, v_cache, step, scale, o, lse)
+    attend_decodes(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
+    attend_chunks(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
     return o, lse
 
 
@@ -86,12 +92,18 @@ def attend_decodes(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D], written at the decodes' rows
     lse: torch.Tensor,  # [T, Hq] fp32, written at the decodes' rows
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The one-query sequences of a step, as padded batches of similar lengths."""
     for bucket in step.decodes:
         k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape)  # [B, Hkv, Tk, D]
         v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape)
-        ob, lb = _attend_one_query(q[bucket.rows], k, v, bucket.bias, scale)
+        bias = bucket.bias
+        if window > 0:  # keys before the window: out, as the padding is
+            seen = visible_keys(bucket.query_pos, bucket.key_pos, window)  # [B, Tk]
+            bias = bias.masked_fill(~seen[:, None, None, :], float("-inf"))
+        ob, lb = _attend_one_query(q[bucket.rows], k, v, bias, scale, softcap)
         o[bucket.rows], lse[bucket.rows] = ob, lb
 
 
@@ -103,6 +115,8 @@ def attend_chunks(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D], written at the chunks' rows
     lse: torch.Tensor,  # [T, Hq] fp32, written at the chunks' rows
+    window: int = 0,
+    softcap: float = 0.0,
 ) -> None:
     """The sequences of a step with several queries (prefill chunks), one by one."""
     hkv = k_cache.shape[2]
@@ -111,4 +125,5 @@ def attend_chunks(
         k = _gather_heads_first(k_cache, chunk.kv_rows, shape)  # [1, Hkv, Tk, D]
         v = _gather_heads_first(v_cache, chunk.kv_rows, shape)
         causal = (chunk.query_pos, chunk.key_pos)
-        o[chunk.rows], lse[chunk.rows] = attend_rows(q[chunk.rows], k, v, causal, scale)
+        o[chunk.rows], lse[chunk.rows] = attend_rows(q[chunk.rows], k, v, causal, scale,
+                                                     window, softcap)

@@ -1,7 +1,7 @@
 """Pure-torch twins of the model's pointwise steps (RMSNorm with its residual add, rotary
-embedding, SiLU-and-multiply), written as Hugging Face's Llama modules compute them: the GPU
-path's versions, the CPU path's where the C ones (kernels/cpu/ops.py) do not serve, and their
-reference in tests/test_cpu_ops.py. `PointwiseOps` is the set a forward pass calls.
+embedding, SiLU-and-multiply, GELU-tanh-and-multiply), written as Hugging Face's modules compute
+them: the GPU path's versions, the CPU path's where the C ones (kernels/cpu/ops.py) do not serve,
+and their reference in tests/test_cpu_ops.py. `PointwiseOps` is the set a forward pass calls.
 """
 
 from __future__ import annotations
@@ -13,10 +13,17 @@ import torch
 import torch.nn.functional as F
 
 
+def gelu_tanh_mul_ref(gate_up):
+    """Gemma's MLP activation: gelu(gate, approximate="tanh") * up (transformers' GELUTanh)."""
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.gelu(gate, approximate="tanh").mul_(up)
+
+
 class PointwiseOps(NamedTuple):
     add_rms_norm: Callable  # (h [T,H], delta [T,H] or None, w [H], eps) -> [T,H]; h += delta
     rope_: Callable  # (x [T, W], positions [T] int64, cos, sin [P, D], heads) -> None, in place
     silu_mul: Callable  # (gate_up [T, 2I]) -> [T, I]
+    gelu_tanh_mul: Callable = gelu_tanh_mul_ref  # (gate_up [T, 2I]) -> [T, I]; Gemma's MLP
 
 
 def add_rms_norm_ref(h, delta, weight, eps):

@@ -26,9 +26,13 @@ def prefix_attention_ref(
     prefix_lens: torch.Tensor,  # [G] int32
     cu_q: torch.Tensor,  # [G+1] int32, query rows of group g: cu_q[g]:cu_q[g+1]
     scale: float,
+    *,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """Each group's queries against its shared prefix, no mask: the prefix KV is read once per
-    group and the product is matrix-matrix over all the group's queries."""
+    group and the product is matrix-matrix over all the group's queries. softcap c > 0: scores
+    s -> c * tanh(s / c) after scaling. (No window: a windowed layer does not split off its
+    shared prefix, batchllm/model/attention.py.)"""
     t, hq, d = q.shape
     page_size = k_cache.shape[1]
     o = q.new_zeros(t, hq, d)
@@ -42,7 +46,8 @@ def prefix_attention_ref(
         v = _heads_first(_prefix_keys(v_cache, pages, plen)[None])
         # All queries of the group go in as one "sequence": the prefix is read once.
         rows = slice(cu[g], cu[g + 1])
-        o[rows], lse[rows] = attend_rows(q[rows], k, v, None, scale)
+        o[rows], lse[rows] = attend_rows(q[rows], k, v, None, scale,
+                                         softcap=softcap)
     return o, lse
 
 

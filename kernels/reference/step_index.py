@@ -24,6 +24,8 @@ class DecodeBucket:
     kv_rows: torch.Tensor  # [B * Hkv * Tk] int64, heads-first cache rows (padding reads slot 0)
     bias: torch.Tensor  # [B, 1, 1, Tk] fp32, 0 where the key is visible, -inf elsewhere
     shape: tuple[int, int, int]  # (B, Hkv, Tk)
+    key_pos: torch.Tensor  # [B, Tk] int64, position of each key (padding: past the query)
+    query_pos: torch.Tensor  # [B] int64, position of each query (context_len - 1)
 
 
 @dataclass(frozen=True)
@@ -79,7 +81,8 @@ def index_step(
         bias.masked_fill_(~visible[:, None, None, :], float("-inf"))
         query_rows = torch.tensor([cu[b] for b in seqs], device=dev)
         decodes.append(DecodeBucket(query_rows, rows.reshape(-1), bias,
-                                    (len(seqs), num_kv_heads, tk)))
+                                    (len(seqs), num_kv_heads, tk), first[:, None] + offs[None, :],
+                                    first + length - 1))
     several = [b for b in range(len(ctx)) if cu[b + 1] - cu[b] > 1]
     chunks = []
     for b in several if gather_chunks else []:

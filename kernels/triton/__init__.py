@@ -6,7 +6,7 @@ compiles the same plans for real GPU targets.
   store_kv.py          a step's new K and V into their slots of the paged cache
   rotary.py            the rotary embedding of q and k in place, with the KV store
   rms_norm.py          the residual add and RMSNorm in one pass
-  silu_mul.py          SiLU-and-multiply of the gate-up projection
+  gated_mul.py         SiLU- or GELU-tanh-and-multiply of the gate-up projection
   paged_attention.py   causal attention of a step (prefill chunks and decodes) over paged KV
   prefix_attention.py  each group's queries against its shared prefix pages (cascade)
   merge_states.py      two attention states over disjoint keys merged by log-sum-exp

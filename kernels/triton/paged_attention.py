@@ -52,6 +52,7 @@ def _paged_attention_kernel(
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
     DECODE: tl.constexpr,  # program i: sequence decode_seqs[i], all its queries in one tile
     SKIP_DECODES: tl.constexpr,  # tiles over all sequences but those with one query
 ):
@@ -77,6 +78,8 @@ def _paged_attention_kernel(
     ctx = tl.load(context_lens_ptr + b)
     kv_lo = tl.load(kv_start_ptr + b)
     kv_hi = tl.minimum(ctx, ctx - q_len + first + TILE_Q)  # past the tile's last query position
+    if WINDOW > 0:  # nothing before the tile's first query's window
+        kv_lo = tl.maximum(kv_lo, ctx - q_len + first - WINDOW + 1)
     # The keys in num_splits ranges of whole key blocks (one split: all of them).
     per_split = tl.cdiv(tl.cdiv(kv_hi - kv_lo, tl.num_programs(2)), BLOCK_N) * BLOCK_N
     kv_lo = kv_lo + split * per_split
@@ -95,6 +98,7 @@ def _paged_attention_kernel(
         q, k_cache_ptr, v_cache_ptr, page_table_ptr + b * stride_table, kv_lo, kv_hi,
         kvh, q_pos, qk_scale, stride_slot, stride_kvh,
         True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, DOT_F32,
+        WINDOW=WINDOW, SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -110,13 +114,16 @@ def paged_attention(
     kv_start: torch.Tensor,  # [B] int32, first key position of this part
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     decode_seqs: torch.Tensor | None = None,  # [n] int32, the sequences with one query
     max_context: int = 0,  # the step's longest context_lens (a hint for split-KV; 0: no split)
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
     The query at position p of sequence b (its queries hold the last q_len positions before
-    context_lens[b]) sees keys kv_start[b] <= j <= p; query head h reads KV head h // (Hq/Hkv).
+    context_lens[b]) sees keys kv_start[b] <= j <= p (and j > p - window when window > 0);
+    softcap > 0: scores s -> softcap * tanh(s / softcap); query head h reads KV head h // (Hq/Hkv).
     An empty key range gives o = 0 and lse = -inf. cu_q must start at 0 and end at T (not
     checked: that would need a device sync); rows outside it are left unwritten.
     `decode_seqs`: the one-query sequences, attended by a decode tile of their own (None: one
@@ -124,8 +131,8 @@ def paged_attention(
     T = B makes it decode-only, and with `max_context` its keys may then be split.
     """
     o, lse, launches = plan_paged_attention(q, k_cache, v_cache, page_table, cu_q, context_lens,
-                                            kv_start, scale, decode_seqs=decode_seqs,
-                                            max_context=max_context)
+                                            kv_start, scale, window=window, softcap=softcap,
+                                            decode_seqs=decode_seqs, max_context=max_context)
     launch.run(launches)
     return o, lse
 
@@ -140,6 +147,8 @@ def plan_paged_attention(
     kv_start: torch.Tensor,
     scale: float,
     *,
+    window: int = 0,
+    softcap: float = 0.0,
     decode_seqs: torch.Tensor | None = None,
     max_context: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
@@ -179,7 +188,8 @@ def plan_paged_attention(
             split_strides[1], lse_part.stride(-2), lse_part.stride(-1),
             page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         ), dict(GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d, BLOCK_M=block_m,
-                BLOCK_D=max(16, pow2(d)), DECODE=decode, SKIP_DECODES=skip_decodes, **options))
+                BLOCK_D=max(16, pow2(d)), WINDOW=int(window), SOFTCAP=float(softcap),
+                DECODE=decode, SKIP_DECODES=skip_decodes, **options))
 
     if decode_seqs is None:
         # Decode-like steps (about one query per sequence) get small tiles, chunks bigger ones.

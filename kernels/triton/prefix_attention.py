@@ -42,7 +42,7 @@ def _prefix_attention_kernel(
     stride_table, stride_slot, stride_kvh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -73,6 +73,7 @@ def _prefix_attention_kernel(
         q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
         kvh, rows, qk_scale, stride_slot, stride_kvh,
         False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, DOT_F32,
+        SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -86,13 +87,17 @@ def prefix_attention(
     prefix_lens: torch.Tensor,  # [G] int32
     cu_q: torch.Tensor,  # [G+1] int32, query rows of group g: cu_q[g]:cu_q[g+1]
     scale: float,
+    *,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
-    """Each group's queries against all prefix_lens[g] keys of its pages, no mask.
+    """Each group's queries against all prefix_lens[g] keys of its pages, no mask; softcap > 0:
+    scores s -> softcap * tanh(s / softcap).
 
     A group with an empty prefix gives o = 0 and lse = -inf. cu_q must start at 0 and end at T
     (not checked: that would need a device sync); rows outside it are left unspecified.
     """
-    return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale)
+    return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale,
+                                  softcap=softcap)
 
 
 def prefix_attention_into(
@@ -105,10 +110,12 @@ def prefix_attention_into(
     scale: float,
     o: torch.Tensor,  # [T, Hq, D] contiguous: the rows' own part in, both parts merged out
     lse: torch.Tensor,  # [T, Hq] fp32 contiguous, likewise
+    *,
+    softcap: float = 0.0,
 ) -> None:
     """prefix_attention, merged into the state (o, lse) in place (merge_states.py)."""
     o_pre, lse_pre, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages,
-                                                     prefix_lens, cu_q, scale)
+                                                     prefix_lens, cu_q, scale, softcap=softcap)
     _, _, merge = plan_merge_states(o_pre, lse_pre, o, lse, out=(o, lse))
     launch.run(launches + merge)
 
@@ -122,11 +129,12 @@ def prefix_attention_split(
     cu_q: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_attention` with the number of key splits chosen by the caller (tests, benchmarks);
     None: enough splits to give the GPU about two programs per SM."""
     o, lse, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q,
-                                             scale, num_splits)
+                                             scale, num_splits, softcap=softcap)
     launch.run(launches)
     return o, lse
 
@@ -140,6 +148,7 @@ def plan_prefix_attention(
     cu_q: torch.Tensor,
     scale: float,
     num_splits: int | None = None,
+    softcap: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The outputs (o, lse) of prefix_attention_split and the launches that fill them."""
     t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
@@ -172,7 +181,7 @@ def plan_prefix_attention(
         stride_ls, lse_part.stride(-2), lse_part.stride(-1),
         prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
     ), dict(GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-            BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), **options))]
+            BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), SOFTCAP=float(softcap), **options))]
     if num_splits > 1:
         launches.append(plan_combine(o_part, lse_part, o, lse))
     return o, lse, launches

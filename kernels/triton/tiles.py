@@ -5,7 +5,9 @@ A program attends one tile: TILE_Q query tokens times the GROUP query heads that
 head, BLOCK_M rows in all, so a decode under grouped-query attention is still a matrix product.
 `find_seq` finds a tile's sequence (or group) without a host sync, `attend_pages` runs the
 online softmax over its keys block by block through a page table, `store_tile` normalises and
-writes (o, lse).
+writes (o, lse). The options of kernels/reference/attend.py live in `attend_pages` as
+constexprs: WINDOW > 0 masks keys before p - WINDOW + 1, SOFTCAP > 0 caps the scores; at 0 (the
+Llama path) they compile away.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from kernels.triton.checks import pow2
 from kernels.triton.launch import dot_f32
 
 LOG2E = math.log2(math.e)
+_LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the jitted functions
 
 
 @triton.jit
@@ -48,11 +51,13 @@ def attend_pages(
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
-    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0.
-    DOT_F32: the products in float32 (the interpreter's bfloat16 tl.dot is wrong:
-    launch.dot_f32)."""
+    m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0. WINDOW > 0
+    (CAUSAL): a query sees the keys after q_pos - WINDOW only; SOFTCAP > 0: natural-unit scores
+    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask. DOT_F32: the products in float32 (the
+    interpreter's bfloat16 tl.dot is wrong: launch.dot_f32)."""
     if DOT_F32:
         q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
@@ -74,9 +79,13 @@ def attend_pages(
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
+        if SOFTCAP > 0:
+            s = soft_cap(s, SOFTCAP * _LOG2E)  # log2 units: capped at SOFTCAP * log2(e)
         visible = key_ok[None, :]
         if CAUSAL:
             visible = visible & (pos[None, :] <= q_pos[:, None])
+        if WINDOW > 0:
+            visible = visible & (pos[None, :] > q_pos[:, None] - WINDOW)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)  # no -inf - -inf
@@ -89,6 +98,14 @@ def attend_pages(
         acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
+
+
+@triton.jit
+def soft_cap(s, cap):
+    """cap * tanh(s / cap), with tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|))."""
+    e = tl.exp2(tl.abs(s) * (-2.0 * _LOG2E / cap))
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(s < 0, -t, t) * cap
 
 
 @triton.jit

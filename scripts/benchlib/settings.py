@@ -15,11 +15,14 @@ from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, r
 
 from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
 from .batchllm_run import run_batchllm
+from .schema import load_schema
 from .vllm_run import run_vllm
 from .workload import read_workload, workload_file
 
+# batchllm-json: prefix sharing on, every row constrained to --json-schema (only when given);
+# the -nographs settings: engine.cuda_graphs off (--graphs off or both)
 SETTINGS = ("hf-static", "hf-continuous", "vllm", "batchllm-sharing", "batchllm-no-sharing",
-            "batchllm-sharing-nographs", "batchllm-no-sharing-nographs")
+            "batchllm-sharing-nographs", "batchllm-no-sharing-nographs", "batchllm-json")
 
 
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
@@ -29,8 +32,8 @@ def skipped(args: argparse.Namespace) -> dict[str, bool]:
             "vllm": args.vllm_python is None,
             **{f"batchllm-{s}{g}": (args.skip_batchllm or args.graphs == ("on" if g else "off")
                                     or args.sharing == ("off" if s == "sharing" else "on"))
-               # --graphs both: the runs with engine.cuda_graphs off too (decode steps eagerly)
-               for s in ("sharing", "no-sharing") for g in ("", "-nographs")}}
+               for s in ("sharing", "no-sharing") for g in ("", "-nographs")},
+            "batchllm-json": args.skip_batchllm or args.json_schema is None}
 
 
 def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
@@ -76,13 +79,16 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
         job = {"model": str(folder), "prompts": prompts, "max_tokens": max_tokens,
                "eos": args.eos}
         runs.append(("vllm", lambda: run_vllm(args.vllm_python, job)))
-    for sharing, graphs in ((True, True), (False, True), (True, False), (False, False)):
-        name = ("batchllm-sharing" if sharing else "batchllm-no-sharing") + (
-            "" if graphs else "-nographs")
+    schema = load_schema(args.json_schema)
+    for name, sharing, graphs, constrained in (
+            ("batchllm-sharing", True, True, None), ("batchllm-no-sharing", False, True, None),
+            ("batchllm-sharing-nographs", True, False, None),
+            ("batchllm-no-sharing-nographs", False, False, None),
+            ("batchllm-json", True, True, schema)):
         if skip[name] or name not in wanted:
             continue
         settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
-                    "prompt_tokens": prompt_tokens, "eos": args.eos,
+                    "prompt_tokens": prompt_tokens, "eos": args.eos, "json_schema": constrained,
                     "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
                                       "device": args.device, "dtype": args.dtype,
                                       "cuda_graphs": graphs}}

@@ -25,7 +25,17 @@ def table(results: list[dict]) -> str:
                       "-" if pages is None else str(pages), r.get("note", "")))
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)
-    return "\n".join(fmt.format(*x).rstrip() for x in [head, *lines])
+    return "\n".join([fmt.format(*x).rstrip() for x in [head, *lines]] + _json_cost(results))
+
+
+def _json_cost(results: list[dict]) -> list[str]:
+    """The structured-output figure: batchllm-json's output tokens/s against batchllm-sharing's."""
+    timed = {r["setting"]: r for r in results if "wall_s" in r}
+    if not {"batchllm-json", "batchllm-sharing"} <= set(timed):
+        return []
+    ratio = timed["batchllm-json"]["output_tok_s"] / timed["batchllm-sharing"]["output_tok_s"]
+    return [(f"structured output (JSON schema on every row): {ratio:.1%} of batchllm-sharing's "
+            f"output tok/s (cost {1 - ratio:+.1%})")]
 
 
 def write_json(path: Path, data: dict) -> None:

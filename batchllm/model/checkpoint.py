@@ -1,0 +1,60 @@
+"""A checkpoint's tensors, each taken once by the layers that use it: a tensor the family needs
+and the checkpoint lacks, or one the checkpoint has and the family never takes, is a ModelError
+(exit 2) naming the tensor and the file."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from batchllm.model.errors import ModelError
+
+
+class Tensors:
+    """Takes tensors out of a state dict by their checkpoint names (weights.load_weights)."""
+
+    def __init__(self, state: dict[str, torch.Tensor], family: str,
+                 folder: Path | None = None) -> None:
+        self._left = dict(state)
+        self._family = family
+        self._folder = folder
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._left
+
+    def take(self, name: str) -> torch.Tensor:
+        """The tensor `name`, removed from those left."""
+        if name not in self._left:
+            files = ", ".join(p.name for p in self._files()) or "the state dict"
+            where = f"{self._folder}: " if self._folder else ""
+            raise ModelError(f"model.path: {where}tensor {name!r} is missing from {files} "
+                             f"(the {self._family} family needs it)")
+        return self._left.pop(name)
+
+    def take_all(self, names: list[str]) -> list[torch.Tensor]:
+        return [self.take(n) for n in names]
+
+    def check_all_taken(self) -> None:
+        """Raise ModelError naming the first tensors no layer took, and their files."""
+        if not self._left:
+            return
+        names = sorted(self._left)
+        owner = self._owners(names[:5])
+        listed = ", ".join(f"{n!r} in {owner.get(n, 'the state dict')}" for n in names[:5])
+        more = f" and {len(names) - 5} more" if len(names) > 5 else ""
+        raise ModelError(f"model.path: {self._folder or 'the checkpoint'}: unexpected tensor "
+                         f"{listed}{more}: not part of a {self._family} model")
+
+    def _files(self) -> list[Path]:
+        return sorted(self._folder.glob("*.safetensors")) if self._folder else []
+
+    def _owners(self, names: list[str]) -> dict[str, str]:
+        """Which file holds each name (the safetensors headers only)."""
+        owners = {}
+        for path in self._files():
+            with safe_open(path, "pt") as f:
+                held = set(f.keys())  # a safetensors file is not a dict: no `in f`
+            owners.update({n: path.name for n in names if n in held})
+        return owners
