@@ -74,7 +74,7 @@ class LLM:
         """model: a built-in alias or a Hugging Face folder. settings: the fields of
         batchllm.engine.runtime.EngineSettings as keywords: dtype, device, max_model_len,
         page_size, kv_cache_memory (a fraction of free memory, or a size in bytes),
-        max_num_seqs, max_batched_tokens, prefix_sharing, order."""
+        max_num_seqs, max_batched_tokens, prefix_sharing, order, cuda_graphs."""
         self.runtime = Runtime.build(model, EngineSettings(**settings))
         self.tokenizer = self.runtime.tokenizer
         self.max_model_len = self.runtime.max_model_len

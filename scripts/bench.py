@@ -58,6 +58,13 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--threads", type=int, help="torch CPU threads")
     ap.add_argument("--batch-size", type=int, default=8, help="hf-static batch size")
     ap.add_argument("--page-size", type=int, default=16, help="batchllm page size")
+    ap.add_argument("--dtype", default="float32", help="float32 | bfloat16 | float16, all settings")
+    ap.add_argument("--graphs", choices=("on", "off", "both"), default="on",
+                    help="batchllm's engine.cuda_graphs (both: each batchllm setting twice)")
+    ap.add_argument("--sharing", choices=("on", "off", "both"), default="both",
+                    help="batchllm's prefix sharing settings to run")
+    ap.add_argument("--hf-rows", type=int,
+                    help="the transformers baselines on the first N rows only")
     ap.add_argument("--skip-hf", action="store_true", help="skip both transformers baselines")
     ap.add_argument("--skip-hf-static", action="store_true")
     ap.add_argument("--skip-hf-continuous", action="store_true")

@@ -1,26 +1,40 @@
 #!/usr/bin/env bash
-# One short check on a lent GPU (written for an H200; no internet needed), about 5 minutes:
-#   1. in parallel (Triton compiles dominate; one CPU core per stream):
-#      tests/test_kernels.py on CUDA in float32 and bfloat16 (four streams),
-#      tests/test_reference_attention.py, and tests/test_engine_equivalence.py if present;
-#   2. then scripts/bench_kernels.py alone on the GPU.
-# Every step has a timeout; everything goes to $OUT/gpu_check.log when $OUT is set.
-# Usage: bash scripts/gpu_check.sh        (from anywhere; exits non-zero if a step failed)
-#   PYTHON=/work/venv/bin/python BENCH_ARGS="--device cpu --interpret" bash scripts/gpu_check.sh
-#       (a smoke run without a GPU: the kernel tests run in the Triton interpreter)
+# One command for a GPU machine without internet (torch, triton, transformers installed; no
+# vLLM), about 8 minutes on an H200, everything into $OUT/gpu_check.log when $OUT is set:
+#   1. the CUDA tests, in parallel (kernels compiled in float32 and bfloat16; the Triton engine
+#      end to end with its decode graphs captured; the equivalence grid's CUDA cases), while
+#      random-weight models shaped like Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B are built
+#      with transformers from their configs (scripts/random_models.py) and the two jobs written
+#      (scripts/gpu_workloads.py: a 4,096-row shared-prefix job; nano-vllm's 256 sequences of
+#      100-1,024 random input and output tokens);
+#   2. per model: batchllm against transformers in bfloat16 under the bfloat16 rule
+#      (scripts/gpu_equivalence.py), then scripts/bench.py on both jobs: batchllm with CUDA
+#      graphs on and off, prefix sharing on and off; transformers `generate` in static batches
+#      and `generate_batch` (continuous batching) on the Qwen shape, on the first rows;
+#   3. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
+# Stages run under a budget (GPU_CHECK_BUDGET seconds, 470): one that would not fit is skipped,
+# and said so. Exit non-zero on any failed test, mismatch, timeout or skip.
+# Usage: bash scripts/gpu_check.sh                (from anywhere)
+#   PYTHON=/path/python   the interpreter (default: python on PATH)
+#   GPU_CHECK_SMOKE=1     a smoke run without a GPU: a tiny model and tiny jobs, the Triton
+#                         kernels in the interpreter (BATCHLLM_BACKEND=triton), a few tests
 set -u
 cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-$(mktemp -d)}
 mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/gpu_check.log"
-PY=${PYTHON:-$(command -v python || command -v python3)}  # PYTHON=... to choose
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"  # instead of pip install -e .
+PY=${PYTHON:-$(command -v python || command -v python3)}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1  # today's default, stated to silence Triton's warning
+WORK=${GPU_CHECK_WORK:-/tmp/batchllm-gpu-check}
+BUDGET=${GPU_CHECK_BUDGET:-470}
+SMOKE=${GPU_CHECK_SMOKE:-0}
 STEPS=$(mktemp -d)
 FAILED=0
 SUMMARY=()
+T0=$(date +%s)
 
-start() {  # start NAME LIMIT CMD...: run in the background, output to its own file
+start() {  # start NAME LIMIT CMD...: in the background, output to its own file
     local name=$1 limit=$2
     shift 2
     echo "--- start $name (timeout ${limit}s): $*"
@@ -28,56 +42,106 @@ start() {  # start NAME LIMIT CMD...: run in the background, output to its own f
       echo "$rc $(( $(date +%s) - s ))" > "$STEPS/$name.rc" ) &
 }
 
-report() {  # report NAME: its output (less Triton's exit noise) and result
+report() {  # report NAME: its output's tail and its result
     local name=$1 rc secs
     read -r rc secs < "$STEPS/$name.rc"
     echo "=== $name: rc=$rc in ${secs}s$([ "$rc" = 124 ] && echo ' (TIMED OUT)')"
-    grep -v -e nanobind -e leaked -e refleaks "$STEPS/$name.log" | tail -n 60
+    grep -v -e nanobind -e leaked -e refleaks -e 'Loading weights' -e 'Writing model' \
+        "$STEPS/$name.log" | tail -n 40
     [ "$rc" = 0 ] || FAILED=1
     SUMMARY+=("$name rc=$rc ${secs}s")
 }
 
-main() {
-    local t0 names=()
-    t0=$(date +%s)
-    echo "=== gpu_check $(date -u +%FT%TZ) in $PWD, log $LOG"
-    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-    timeout 60 "$PY" -c 'import sys, torch, triton
-print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
-      "cuda", torch.version.cuda, torch.cuda.get_device_name() if torch.cuda.is_available()
-      else "NO CUDA DEVICE")'
-
-    if timeout 60 "$PY" -m pytest --version; then
-        # One CPU thread per kernel stream: their torch work is on the GPU or tiny, and six
-        # processes with a thread per core each would fight over the cores.
-        local pytest=("$PY" -m pytest -q -rfE -p no:cacheprovider --durations=5)
-        local kernels=(env OMP_NUM_THREADS=1 "${pytest[@]}" tests/test_kernels.py -k)
-        start kernels_f32_paged 210 "${kernels[@]}" "float32 and paged"
-        start kernels_f32_rest 210 "${kernels[@]}" "float32 and not paged"
-        start kernels_bf16_paged 210 "${kernels[@]}" "not float32 and paged"
-        start kernels_bf16_rest 210 "${kernels[@]}" "not float32 and not paged"
-        start reference 120 env OMP_NUM_THREADS=1 "${pytest[@]}" tests/test_reference_attention.py
-        names+=(kernels_f32_paged kernels_f32_rest kernels_bf16_paged kernels_bf16_rest reference)
-        if [ -f tests/test_engine_equivalence.py ]; then
-            start engine 210 env OMP_NUM_THREADS=4 \
-                "${pytest[@]}" -x tests/test_engine_equivalence.py
-            names+=(engine)
-        else
-            echo "--- tests/test_engine_equivalence.py not found: skipped"
-        fi
-        wait
-        for name in "${names[@]}"; do report "$name"; done
-    else
-        echo "--- pytest missing: tests skipped"
+stage() {  # stage NAME LIMIT CMD...: run now if it fits the budget, else skip it, loudly
+    local name=$1 limit=$2 left
+    left=$(( BUDGET - ($(date +%s) - T0) ))
+    if [ "$left" -lt 20 ]; then
+        echo "=== $name: SKIPPED (${left}s of the budget left)"
+        SUMMARY+=("$name SKIPPED (time)")
         FAILED=1
+        return
+    fi
+    [ "$limit" -gt "$left" ] && limit=$left
+    start "$name" "$limit" "${@:3}"
+    wait
+    report "$name"
+}
+
+bench() {  # bench MODEL JOB LIMIT SUFFIX ARGS...: scripts/bench.py on one job, to JSON
+    local model=$1 job=$2 limit=$3 run="${1}_${2}$4"
+    shift 4
+    stage "bench_$run" "$limit" "$PY" scripts/bench.py --model "$WORK/models/$model" \
+        --workload "$WORK/jobs/$job.parquet" --device "$DEVICE" --dtype bfloat16 \
+        --json "$WORK/results/$run.json" "$@"
+    TABLE+=("$model:$job:$WORK/results/$run.json")
+}
+
+main() {
+    local tests=() models vocab=128256 jobs_args=()
+    echo "=== gpu_check $(date -u +%FT%TZ) in $PWD, log $LOG, work $WORK, budget ${BUDGET}s"
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
+    timeout 60 "$PY" -c 'import sys, torch, triton, transformers
+print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
+      "transformers", transformers.__version__, "cuda", torch.version.cuda,
+      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")'
+    missing=$(timeout 60 "$PY" -c 'import importlib.util as u
+print(" ".join(m for m in ("torch", "triton", "transformers", "safetensors", "tokenizers",
+    "numpy", "pyarrow", "polars", "yaml", "typer", "tqdm", "gguf", "pytest") if not u.find_spec(m)))')
+    if [ -n "$missing" ]; then echo "=== MISSING PYTHON PACKAGES: $missing"; FAILED=1; fi
+    mkdir -p "$WORK/results"
+    rm -f "$WORK"/results/*.json
+    if [ "$SMOKE" = 1 ]; then
+        export BATCHLLM_BACKEND=triton
+        DEVICE=cpu models=tiny vocab=4096 jobs_args=(--tiny)
+        tests=(tests/test_triton_step_kernels.py -k "silu or merge")
+    else
+        DEVICE=cuda models=qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b
+        tests=(tests/test_kernels.py tests/test_triton_step_kernels.py
+               tests/test_triton_engine.py tests/test_block_table.py)
     fi
 
-    # shellcheck disable=SC2086  # BENCH_ARGS is a list of words
-    start bench 150 "$PY" scripts/bench_kernels.py ${BENCH_ARGS:-}
+    # 1. tests, models and jobs at once (the tests are bound by compiles, the models by disk)
+    local pytest=("$PY" -m pytest -q -rfE -p no:cacheprovider --durations=5)
+    start tests 200 env OMP_NUM_THREADS=4 "${pytest[@]}" "${tests[@]}"
+    local names=(tests)
+    if [ "$SMOKE" != 1 ] && [ -f tests/test_engine_equivalence.py ]; then
+        start equivalence_grid 200 env OMP_NUM_THREADS=4 "${pytest[@]}" \
+            tests/test_engine_equivalence.py -k cuda
+        names+=(equivalence_grid)
+    fi
+    start models 200 "$PY" scripts/random_models.py "$WORK/models" --models "$models" \
+        --device "$DEVICE"
+    start jobs 60 "$PY" scripts/gpu_workloads.py "$WORK/jobs" --vocab "$vocab" "${jobs_args[@]}"
     wait
-    report bench
+    for name in "${names[@]}" models jobs; do report "$name"; done
 
-    echo "=== summary ($(( $(date +%s) - t0 ))s in all)"
+    # 2. per model: correctness first, then the speed runs (sharing on and off; graphs on/off)
+    TABLE=()
+    if [ "$SMOKE" = 1 ]; then
+        stage equivalence_tiny 120 "$PY" scripts/gpu_equivalence.py "$WORK/models/tiny" \
+            --device cpu --prompts 4 --tokens 8
+        bench tiny no_sharing 200 "" --sharing off --graphs both --hf-rows 4 --batch-size 4
+        bench tiny shared_prefix 200 "" --graphs on --hf-rows 4 --batch-size 4
+    else
+        stage equivalence_qwen 60 "$PY" scripts/gpu_equivalence.py "$WORK/models/qwen2.5-0.5b"
+        # no-sharing job: sharing on would find nothing to share; graphs on and off
+        bench qwen2.5-0.5b no_sharing 110 "" --sharing off --graphs both --hf-rows 32 \
+            --batch-size 32
+        # shared-prefix job: sharing on and off, transformers on the first 256 rows (4 documents)
+        bench qwen2.5-0.5b shared_prefix 110 "" --graphs on --hf-rows 256 --batch-size 64
+        bench qwen2.5-0.5b shared_prefix 40 _nographs --graphs off --sharing on --skip-hf
+        stage equivalence_llama1b 45 "$PY" scripts/gpu_equivalence.py \
+            "$WORK/models/llama-3.2-1b" --prompts 4
+        bench llama-3.2-1b no_sharing 40 "" --sharing off --skip-hf
+        bench llama-3.2-1b shared_prefix 40 "" --sharing on --skip-hf
+        stage equivalence_llama8b 60 "$PY" scripts/gpu_equivalence.py \
+            "$WORK/models/llama-3.1-8b" --prompts 4 --tokens 16
+        bench llama-3.1-8b no_sharing 70 "" --sharing off --skip-hf
+    fi
+
+    # 3. the table, the goals, the mismatches
+    stage table 30 "$PY" scripts/gpu_table.py "${TABLE[@]}"
+    echo "=== summary ($(( $(date +%s) - T0 ))s in all)"
     printf '  %s\n' "${SUMMARY[@]}"
     if [ "$FAILED" = 0 ]; then echo "=== ALL PASSED"; else echo "=== SOME STEPS FAILED"; fi
     return "$FAILED"

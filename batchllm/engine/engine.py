@@ -15,7 +15,7 @@ from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
-from batchllm.engine.runner import ModelRunner
+from batchllm.engine.runner import make_runner
 from batchllm.engine.sampler import row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
@@ -35,7 +35,10 @@ class Engine:
         max_batched_tokens: int,
         prefix_sharing: bool,
         max_model_len: int,
+        cuda_graphs: bool = True,
     ) -> None:
+        """cuda_graphs: decode steps replayed as CUDA graphs on the CUDA path (on CUDA only;
+        elsewhere that path's static decode buffers run eagerly)."""
         shape = loaded.model.shape
         self.loaded = loaded
         self.page_size = page_size
@@ -45,7 +48,8 @@ class Engine:
             shape.num_layers, num_pages, page_size, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, loaded.model.dtype, loaded.model.embed.device, loaded.model.ops,
         )
-        self.runner = ModelRunner(loaded.model, self.attention, page_size, prefix_sharing)
+        self.runner = make_runner(loaded.model, self.attention, page_size, prefix_sharing,
+                                  max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs)
         self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len)
         self.grammars = Grammars(loaded.tokenizer, loaded.eos_ids, shape.vocab_size)
         self.num_pages = num_pages

@@ -36,12 +36,14 @@ class EngineSettings:
     max_batched_tokens: int = 8192
     prefix_sharing: bool = True
     order: str = "prefix-tree"
+    cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (on CUDA only)
 
     @classmethod
     def of(cls, cfg: JobConfig) -> EngineSettings:
         m, e = cfg.model, cfg.engine
         return cls(m.dtype, m.device, m.max_model_len, e.page_size, e.kv_cache_memory,
-                   e.max_num_seqs, e.max_batched_tokens, e.prefix_sharing, cfg.planner.order)
+                   e.max_num_seqs, e.max_batched_tokens, e.prefix_sharing, cfg.planner.order,
+                   e.cuda_graphs)
 
 
 class Runtime:
@@ -62,7 +64,7 @@ class Runtime:
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
         engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, s.page_size), s.page_size,
                         s.max_num_seqs, s.max_batched_tokens, s.prefix_sharing,
-                        loaded.max_model_len)
+                        loaded.max_model_len, s.cuda_graphs)
         return cls(loaded, engine, s)
 
     @classmethod

@@ -2,7 +2,8 @@
 
 The kernels are the model's (ops.py picks them): on CUDA the Triton kernels; elsewhere their
 pure-torch twins, with the decodes and the prefill chunks in C on the CPU where the kernels
-build (kernels/cpu/attention.py).
+build (kernels/cpu/attention.py). The metadata is built by the runner: from lists on the CPU
+path (engine/runner.py), in buffers on the device on the CUDA path (engine/device_runner.py).
 A step's attention is
   own part:   every query against its sequence's pages from kv_start on (causal), and
   prefix part: for cascade groups, the group's queries against its shared prefix pages at once,
@@ -40,6 +41,10 @@ class StepMetadata:
     prefix_pages: torch.Tensor | None = None  # [G, max_prefix_pages] int32
     prefix_lens: torch.Tensor | None = None  # [G] int32
     cu_prefix_q: torch.Tensor | None = None  # [G+1] int32
+    # The CUDA path's decode tile (ModelOps.tiles_decodes): the one-query sequences, and the
+    # longest context of the step (a host int: split-KV is chosen from it without a sync).
+    decode_seqs: torch.Tensor | None = None  # [n] int32
+    max_context: int = 0
 
 
 class PagedAttention:
@@ -84,6 +89,13 @@ class PagedAttention:
         """k, v: [T, Hkv, D], written at the step's slot mapping."""
         self.ops.store_kv(k, v, self.k_cache[layer], self.v_cache[layer], self.meta.slot_mapping)
 
+    def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
+                   cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
+        """qkv [T, (Hq+2Hkv)*D]: q and k heads rotated in place (positions [T], cos, sin
+        [P, D]), k and v written at the step's slot mapping; one pass on the CUDA path."""
+        self.ops.rope_store(qkv, positions, cos, sin, num_heads, self.k_cache[layer],
+                            self.v_cache[layer], self.meta.slot_mapping)
+
     def attend(self, layer: int, q: torch.Tensor, scale: float | None = None, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
         """q: [T, Hq, D] -> o: [T, Hq, D]. scale (None: head_dim**-0.5), sliding window (0:
@@ -93,6 +105,8 @@ class PagedAttention:
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kv_start, index = self._part(m, window)
         extra = {"step": index} if self.ops.indexes_steps else {}
+        if self.ops.tiles_decodes and m.decode_seqs is not None:
+            extra.update(decode_seqs=m.decode_seqs, max_context=m.max_context)
         if window:  # the whole page table, no cascade (module docstring)
             extra["window"] = window
         o, lse = self.ops.paged_attention(
@@ -101,11 +115,11 @@ class PagedAttention:
         )
         if window or not m.cascade_rows:
             return o
+        n = m.cascade_rows
         if self.ops.prefix_attention_into is not None:
-            self.ops.prefix_attention_into(q, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q,
-                                           scale, o, lse, softcap=softcap)
+            self.ops.prefix_attention_into(q[:n], kc, vc, m.prefix_pages, m.prefix_lens,
+                                           m.cu_prefix_q, scale, o[:n], lse[:n], softcap=softcap)
         else:
-            n = m.cascade_rows
             qc = q[:n]
             o_pre, lse_pre = self.ops.prefix_attention(
                 qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, scale, softcap=softcap

@@ -102,7 +102,8 @@ class _Layer:
 
 
 class DecoderModel:
-    """Weights and forward pass. `forward` is the only entry point the runner uses."""
+    """Weights and forward pass: `forward`, or its two halves `hidden` then `logits` (the CUDA
+    path captures `hidden` of decode steps in graphs, and computes the logits outside)."""
 
     def __init__(
         self,
@@ -142,6 +143,16 @@ class DecoderModel:
         attention: PagedAttention,  # the cache and this step's metadata
         sample_rows: torch.Tensor,  # [S] int64, rows of the step whose logits are wanted
     ) -> torch.Tensor:  # [S, V] fp32
+        return self.logits(self.hidden(input_ids, positions, attention, sample_rows))
+
+    @torch.inference_mode()
+    def hidden(
+        self,
+        input_ids: torch.Tensor,  # [T] int64
+        positions: torch.Tensor,  # [T] int64
+        attention: PagedAttention,
+        sample_rows: torch.Tensor,  # [S] int64
+    ) -> torch.Tensor:  # [S, H]: the final norm of the rows that sample (what a graph captures)
         t = input_ids.shape[0]
         norm, eps = self.ops.pointwise.add_rms_norm, self.eps
         h = self.embed[input_ids]  # [T, H], the residual stream
@@ -159,8 +170,11 @@ class DecoderModel:
                 m = layer.mlp(x[rows], self.act_mul)  # [t, H]
                 if layer.norm_mlp_out is not None:
                     m = norm(m, None, layer.norm_mlp_out, eps)
-                h[rows] += m
-        h = norm(h[sample_rows], None, self.norm, eps)  # [S, H]
+                h[rows].add_(m)  # on the view: `h[rows] +=` copies the rows back after
+        return norm(h[sample_rows], None, self.norm, eps)  # [S, H]
+
+    @torch.inference_mode()
+    def logits(self, h: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32
         logits = self.lm_head(h)  # [S, V]
         cap = self.family.final_softcap
         if cap:  # Gemma 2, in the model dtype as transformers does

@@ -72,17 +72,15 @@ class Attention:
                  layer: int, ops: ModelOps, eps: float) -> torch.Tensor:
         """x [T, H] (normed), positions [T] -> the attention block's output [T, H]."""
         t = x.shape[0]
-        hq, hkv, d = self.hq, self.hkv, self.d
+        hq, d = self.hq, self.d
         qkv = self.qkv(x)  # [T, (Hq+2Hkv)*D]
         if self.q_norm is not None:
             self._norm_qk(qkv, ops, eps)
         if self.clip:
             qkv.clamp_(-self.clip, self.clip)
-        ops.pointwise.rope_(qkv, positions, self.cos, self.sin, hq + hkv)  # q and k, in place
+        # q and k heads rotated in place; k and v into the cache (one pass on the CUDA path)
+        attention.rope_store(layer, qkv, positions, self.cos, self.sin, hq)
         q = qkv[:, : hq * d].view(t, hq, d)
-        k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-        v = qkv[:, (hq + hkv) * d :].view(t, hkv, d)
-        attention.store(layer, k, v)
         o = attention.attend(layer, q, scale=self.scale, window=self.window,
                              softcap=self.softcap)  # [T, Hq, D]
         return self.o(o.reshape(t, hq * d))

@@ -1,17 +1,29 @@
 """The Triton kernels of the CUDA path, one per file: a private `_name_kernel` and one public
-launcher that checks its inputs (checks.py) and computes the grid.
+launcher that checks its inputs (checks.py) and computes the grid. Each launcher builds its
+launches as data with a `plan_*` function (launch.py) and runs them; scripts/compile_check.py
+compiles the same plans for real GPU targets.
 
   store_kv.py          a step's new K and V into their slots of the paged cache
+  rotary.py            the rotary embedding of q and k in place, with the KV store
+  rms_norm.py          the residual add and RMSNorm in one pass
+  gated_mul.py         SiLU- or GELU-tanh-and-multiply of the gate-up projection
   paged_attention.py   causal attention of a step (prefill chunks and decodes) over paged KV
   prefix_attention.py  each group's queries against its shared prefix pages (cascade)
   merge_states.py      two attention states over disjoint keys merged by log-sum-exp
+  combine_splits.py    the key splits of one attention launch folded by log-sum-exp
   tiles.py             the jitted pieces the two attention kernels share
   checks.py            the launchers' input checks and grid arithmetic
+  launch.py            a launch as data, and the one place that launches
 
 Their pure-torch twins are in kernels.reference. Importing this package needs triton; without
-it the import fails here, with the reason. Under TRITON_INTERPRET=1 (set before triton is
-imported) the launchers also run on CPU tensors, slowly: that is how the tests check them.
+it the import fails here, with the reason. Under TRITON_INTERPRET=1 (set before these modules
+are imported) the launchers also run on CPU tensors, slowly: that is how the tests, and
+BATCHLLM_BACKEND=triton on a machine without a GPU, run them.
 """
+
+import importlib
+import os
+import sys
 
 try:
     import triton  # noqa: F401
@@ -20,3 +32,49 @@ except ImportError as error:  # triton is not installed (CPU-only machines)
         f"kernels.triton needs triton, which could not be imported ({type(error).__name__}: "
         f"{error}); on the CPU use the twins in kernels.reference"
     ) from error
+
+
+def _interpret_triton_library() -> None:
+    """Triton makes its own @jit library functions (tl.zeros, tl.max, tl.sum ...) when it is
+    imported; if that was before TRITON_INTERPRET=1 was set (importing transformers' models
+    imports triton), remake them for the interpreter, as our kernels will be."""
+    import triton.language as tl
+    from triton.runtime.interpreter import InterpretedFunction
+
+    if isinstance(tl.zeros, InterpretedFunction):
+        return
+    standard = importlib.reload(sys.modules["triton.language.standard"])
+    for name, value in vars(standard).items():
+        if isinstance(value, InterpretedFunction) and hasattr(tl, name):
+            setattr(tl, name, value)
+
+
+def _interpreter_rounds_to_nearest() -> None:
+    """The interpreter casts float32 to bfloat16 by truncation where compiled kernels round to
+    nearest even; truncation's bias adds up over a model's layers (measured on the tiny Llama:
+    logits 2.1 apart from transformers' bfloat16 instead of 0.5). Round as the GPU does."""
+    import numpy as np
+    import triton.language as tl
+    from triton.runtime import interpreter
+
+    builder = interpreter.InterpreterBuilder
+    if getattr(builder, "_rounds_to_nearest", False) or not hasattr(builder, "cast_impl"):
+        return
+    cast = builder.cast_impl
+
+    def cast_impl(self, src, dst_type):
+        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
+            x = np.asarray(src.data, dtype=np.float32)
+            bits = x.view(np.uint32).astype(np.uint64)
+            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to even
+            out = np.where(np.isnan(x), 0x7FC0, bits).astype(np.uint16)
+            return interpreter.TensorHandle(out, tl.bfloat16)
+        return cast(self, src, dst_type)
+
+    builder.cast_impl = cast_impl
+    builder._rounds_to_nearest = True
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    _interpret_triton_library()
+    _interpreter_rounds_to_nearest()

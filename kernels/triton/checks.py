@@ -23,12 +23,13 @@ def cdiv(a: int, b: int) -> int:
 
 
 def check_device(kernel: object, **tensors: torch.Tensor) -> torch.device:
-    """All tensors on one device; CUDA, or the CPU when `kernel` runs in Triton's interpreter."""
+    """All tensors on one device; CUDA, or the CPU when `kernel` runs in Triton's interpreter, or
+    "meta": a plan that is only compiled (scripts/compile_check.py), never launched."""
     first = next(iter(tensors.values())).device
     if any(t.device != first for t in tensors.values()):
         devices = {name: str(t.device) for name, t in tensors.items()}
         raise ValueError(f"all tensors must be on one device, got {devices}")
-    if first.type != "cuda" and not isinstance(kernel, InterpretedFunction):
+    if first.type not in ("cuda", "meta") and not isinstance(kernel, InterpretedFunction):
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {first}); set TRITON_INTERPRET=1 before "
             "importing kernels.triton to run them on the CPU, or use the twins in "

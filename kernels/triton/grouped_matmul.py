@@ -15,7 +15,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import launch
 from kernels.triton.checks import cdiv, check_device, check_index
+from kernels.triton.launch import Launch, dot_f32
 from kernels.triton.tiles import find_seq
 
 
@@ -25,7 +27,7 @@ def _grouped_matmul_kernel(
     num_experts, n_out, k_in,
     stride_xn, stride_we, stride_wm, stride_yn,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,  # DOT_F32: launch.dot_f32
 ):
     tile = tl.program_id(0)
     e = find_seq(offsets_ptr, tile, num_experts, BLOCK_M)
@@ -50,6 +52,9 @@ def _grouped_matmul_kernel(
                     mask=row_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_base + cols[:, None] * stride_wm + ks[None, :],
                     mask=col_ok[:, None] & k_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_K]
+        if DOT_F32:
+            a = a.to(tl.float32)
+            b = b.to(tl.float32)
         acc += tl.dot(a, tl.trans(b), input_precision=DOT_PRECISION)
     y_off = rows[:, None].to(tl.int64) * stride_yn + cols[None, :]
     tl.store(y_ptr + y_off, acc.to(y_ptr.dtype.element_ty),
@@ -63,6 +68,14 @@ def grouped_matmul(
 ) -> torch.Tensor:  # [N, M], x's dtype
     """y[rows of e] = x[rows of e] @ w[e]^T for every expert e, in one launch. offsets must
     start at 0, ascend and end at N (not checked: that would need a device sync)."""
+    y, launches = plan_grouped_matmul(x, w, offsets)
+    launch.run(launches)
+    return y
+
+
+def plan_grouped_matmul(x: torch.Tensor, w: torch.Tensor,
+                        offsets: torch.Tensor) -> tuple[torch.Tensor, list[Launch]]:
+    """The output of grouped_matmul and the launch that fills it."""
     if x.dim() != 2 or w.dim() != 3 or x.shape[1] != w.shape[2]:
         raise ValueError(f"grouped_matmul: x [N, K] and w [E, M, K] expected, got "
                          f"{tuple(x.shape)} and {tuple(w.shape)}")
@@ -74,14 +87,13 @@ def grouped_matmul(
     check_device(_grouped_matmul_kernel, x=x, w=w, offsets=offsets)
     y = torch.empty(x.shape[0], n_out, dtype=x.dtype, device=x.device)
     if x.shape[0] == 0:
-        return y
+        return y, []
     fp32 = x.dtype == torch.float32
     block_m, block_n, block_k = 32, 64, 32 if fp32 else 64
     grid = (x.shape[0] // block_m + num_experts, cdiv(n_out, block_n))
-    _grouped_matmul_kernel[grid](
+    return y, [Launch(_grouped_matmul_kernel, grid, (
         x, w, y, offsets, num_experts, n_out, k_in,
         x.stride(0), w.stride(0), w.stride(1), y.stride(0),
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        DOT_PRECISION="ieee" if fp32 else None, num_warps=4,
-    )
-    return y
+    ), {"BLOCK_M": block_m, "BLOCK_N": block_n, "BLOCK_K": block_k,
+        "DOT_PRECISION": "ieee" if fp32 else None,
+        "DOT_F32": dot_f32(_grouped_matmul_kernel, x.dtype), "num_warps": 4})]

@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import launch
 from kernels.triton.checks import cdiv, check_device, check_rows, pow2
+from kernels.triton.launch import Launch
 
 
 @triton.jit
@@ -51,13 +53,30 @@ def merge_states(
     lse_a: torch.Tensor,  # [T, H] fp32
     o_b: torch.Tensor,  # [T, H, D]
     lse_b: torch.Tensor,  # [T, H] fp32
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,  # (o, lse) to write, contiguous
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, H, D] (o_a's dtype), lse [T, H] fp32
     """Merge attention over two disjoint key sets by the log-sum-exp rule.
 
     m = max(lse_a, lse_b); lse = m + log(e^(lse_a-m) + e^(lse_b-m));
     o = e^(lse_a-lse) o_a + e^(lse_b-lse) o_b. A part with lse = -inf contributes nothing;
-    two empty parts give o = 0 and lse = -inf (never NaN).
+    two empty parts give o = 0 and lse = -inf (never NaN). `out` may be one of the parts (a
+    merge in place: each program reads its rows before it writes them).
     """
+    o, lse, launches = plan_merge_states(o_a, lse_a, o_b, lse_b, out=out)
+    launch.run(launches)
+    return o, lse
+
+
+def plan_merge_states(
+    o_a: torch.Tensor,
+    lse_a: torch.Tensor,
+    o_b: torch.Tensor,
+    lse_b: torch.Tensor,
+    *,
+    out: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """The outputs (o, lse) of merge_states and the launches that fill them."""
     if o_a.dim() != 3:
         raise ValueError(f"o_a must be [T, H, D], got shape {tuple(o_a.shape)}")
     t, h, d = o_a.shape
@@ -70,15 +89,22 @@ def merge_states(
             raise ValueError(f"{name} must be float32 of shape {(t, h)}, got {lse.dtype} "
                              f"{tuple(lse.shape)}")
     check_device(_merge_states_kernel, o_a=o_a, lse_a=lse_a, o_b=o_b, lse_b=lse_b)
-    o = torch.empty(t, h, d, dtype=o_a.dtype, device=o_a.device)
-    lse = torch.empty(t, h, dtype=torch.float32, device=o_a.device)
+    if out is None:
+        o = torch.empty(t, h, d, dtype=o_a.dtype, device=o_a.device)
+        lse = torch.empty(t, h, dtype=torch.float32, device=o_a.device)
+    else:
+        o, lse = out
+        if (tuple(o.shape) != (t, h, d) or o.dtype != o_a.dtype or not o.is_contiguous()
+                or tuple(lse.shape) != (t, h) or lse.dtype != torch.float32
+                or not lse.is_contiguous()):
+            raise ValueError("out must be a contiguous o like o_a and a contiguous float32 lse "
+                             f"[T, H], got {o.dtype} {tuple(o.shape)} and {lse.dtype} "
+                             f"{tuple(lse.shape)}")
     if t == 0 or h == 0:
-        return o, lse
+        return o, lse, []
     block_h = min(16, pow2(h))
-    _merge_states_kernel[(t, cdiv(h, block_h))](
+    return o, lse, [Launch(_merge_states_kernel, (t, cdiv(h, block_h)), (
         o_a, lse_a, o_b, lse_b, o, lse, h,
         o_a.stride(0), o_a.stride(1), o_b.stride(0), o_b.stride(1),
         lse_a.stride(0), lse_a.stride(1), lse_b.stride(0), lse_b.stride(1),
-        D=d, BLOCK_H=block_h, BLOCK_D=pow2(d),
-    )
-    return o, lse
+    ), {"D": d, "BLOCK_H": block_h, "BLOCK_D": pow2(d)})]

@@ -3,27 +3,32 @@
 One program per (query tile, KV head, key split). A tile packs TILE_Q query tokens of one group
 times the GROUP query heads of a KV head (matrix-matrix products with tl.dot), so the prefix
 K and V are read once per tile rather than once per request. When the tiles alone cannot fill
-the GPU (a decode step: one query per request), the prefix keys are split into ranges whose
-partial (o, lse) a second small kernel merges (`_combine_splits_kernel`). No causal mask:
-every query comes after the prefix. The tile's pieces are in tiles.py.
+the GPU (a decode step: one query per request), each group's prefix keys are split into as
+many ranges as the launch has splits, whose partial (o, lse) a second small kernel merges
+(combine_splits.py). The split count depends on the launch's shape only, not on the lengths,
+so a captured CUDA graph stays right whatever the prefixes. No causal mask: every query comes
+after the prefix. The tile's pieces are in tiles.py.
 Twin: `kernels.reference.prefix_attention.prefix_attention_ref`.
 """
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import launch
 from kernels.triton.checks import cdiv, check_attention, check_device, check_index, pow2
+from kernels.triton.combine_splits import plan_combine, split_buffers
+from kernels.triton.launch import Launch
+from kernels.triton.merge_states import plan_merge_states
 from kernels.triton.tiles import (
     LOG2E,
     attend_pages,
     find_seq,
     launch_options,
     store_tile,
+    target_programs,
     tile_rows,
 )
 
@@ -32,12 +37,12 @@ from kernels.triton.tiles import (
 def _prefix_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr,  # o, lse: [S, T, Hq, D], [S, T, Hq]
     prefix_pages_ptr, prefix_lens_ptr, cu_q_ptr,
-    num_groups, keys_per_split, qk_scale,
+    num_groups, qk_scale,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     stride_table, stride_slot, stride_kvh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, SOFTCAP: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -50,8 +55,11 @@ def _prefix_attention_kernel(
     first = (tile - (q_begin // TILE_Q + g)) * TILE_Q
     if first >= q_len:
         return
-    kv_lo = split * keys_per_split
-    kv_hi = tl.minimum(tl.load(prefix_lens_ptr + g), kv_lo + keys_per_split)
+    prefix_len = tl.load(prefix_lens_ptr + g)
+    # This group's keys in num_splits ranges of whole key blocks (empty ranges store -inf).
+    per_split = tl.cdiv(tl.cdiv(prefix_len, tl.num_programs(2)), BLOCK_N) * BLOCK_N
+    kv_lo = split * per_split
+    kv_hi = tl.minimum(prefix_len, kv_lo + per_split)
 
     offs_m = tl.arange(0, BLOCK_M)
     tok = offs_m // GROUP
@@ -64,51 +72,11 @@ def _prefix_attention_kernel(
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
         kvh, rows, qk_scale, stride_slot, stride_kvh,
-        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, SOFTCAP=SOFTCAP,
+        False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, DOT_F32,
+        SOFTCAP=SOFTCAP,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
-
-
-@triton.jit
-def _combine_splits_kernel(
-    o_part_ptr, lse_part_ptr,  # [S, T, H, D] fp32, [S, T, H] fp32, contiguous
-    o_ptr, lse_ptr,  # [T, H, D], [T, H] fp32, contiguous
-    num_tokens, num_heads, num_splits,
-    D: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-):
-    t = tl.program_id(0)
-    offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    offs_d = tl.arange(0, BLOCK_D)
-    h_ok = offs_h < num_heads
-    mask = h_ok[:, None] & (offs_d[None, :] < D)
-    row = t * num_heads + offs_h  # [BLOCK_H] index into [T, H]
-    split_rows = num_tokens * num_heads
-    m = tl.full([BLOCK_H], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        m = tl.maximum(m, tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0))
-    m_safe = tl.where(m == float("-inf"), 0.0, m)
-    total = tl.zeros([BLOCK_H], tl.float32)
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for s in range(num_splits):
-        w = tl.exp(tl.load(lse_part_ptr + s * split_rows + row, mask=h_ok, other=0.0) - m_safe)
-        o_off = (s * split_rows + row)[:, None] * D + offs_d[None, :]
-        acc += w[:, None] * tl.load(o_part_ptr + o_off, mask=mask, other=0.0)
-        total += w
-    empty = total == 0.0
-    total_safe = tl.where(empty, 1.0, total)
-    lse = tl.where(empty, float("-inf"), m_safe + tl.log(total_safe))
-    o = acc / total_safe[:, None]
-    tl.store(o_ptr + row[:, None] * D + offs_d[None, :], o.to(o_ptr.dtype.element_ty), mask=mask)
-    tl.store(lse_ptr + row, lse, mask=h_ok)
-
-
-@functools.cache
-def _target_programs(device: torch.device) -> int:
-    """Programs worth launching: two per SM on a GPU, a few in the interpreter."""
-    if device.type != "cuda":
-        return 8
-    return 2 * torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def prefix_attention(
@@ -132,6 +100,26 @@ def prefix_attention(
                                   softcap=softcap)
 
 
+def prefix_attention_into(
+    q: torch.Tensor,  # [T, Hq, D], the rows of the groups
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_q: torch.Tensor,  # [G+1] int32, ending at T
+    scale: float,
+    o: torch.Tensor,  # [T, Hq, D] contiguous: the rows' own part in, both parts merged out
+    lse: torch.Tensor,  # [T, Hq] fp32 contiguous, likewise
+    *,
+    softcap: float = 0.0,
+) -> None:
+    """prefix_attention, merged into the state (o, lse) in place (merge_states.py)."""
+    o_pre, lse_pre, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages,
+                                                     prefix_lens, cu_q, scale, softcap=softcap)
+    _, _, merge = plan_merge_states(o_pre, lse_pre, o, lse, out=(o, lse))
+    launch.run(launches + merge)
+
+
 def prefix_attention_split(
     q: torch.Tensor,
     k_cache: torch.Tensor,
@@ -145,6 +133,24 @@ def prefix_attention_split(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_attention` with the number of key splits chosen by the caller (tests, benchmarks);
     None: enough splits to give the GPU about two programs per SM."""
+    o, lse, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q,
+                                             scale, num_splits, softcap=softcap)
+    launch.run(launches)
+    return o, lse
+
+
+def plan_prefix_attention(
+    q: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    prefix_pages: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    cu_q: torch.Tensor,
+    scale: float,
+    num_splits: int | None = None,
+    softcap: float = 0.0,
+) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
+    """The outputs (o, lse) of prefix_attention_split and the launches that fill them."""
     t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
     if prefix_pages.dim() != 2:
         raise ValueError(f"prefix_pages must be [G, max_pages], got {tuple(prefix_pages.shape)}")
@@ -157,39 +163,25 @@ def prefix_attention_split(
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
     if t == 0 or groups == 0 or max_pages == 0:
-        return o.zero_(), lse.fill_(float("-inf"))
+        return o.zero_(), lse.fill_(float("-inf")), []
     group = hq // hkv
     block_m, tile_q, tiles = tile_rows(t, groups, group, 64)
-    options = launch_options(q.dtype)
-    block_n = options["BLOCK_N"]
-    key_blocks = cdiv(max_pages * page_size, block_n)
+    options = launch_options(q.dtype, _prefix_attention_kernel, block_m, d)
+    key_blocks = cdiv(max_pages * page_size, options["BLOCK_N"])
     if num_splits is None:
-        num_splits = _target_programs(q.device) // (tiles * hkv)
+        num_splits = target_programs(q.device) // (tiles * hkv)
     num_splits = max(1, min(num_splits, key_blocks))
-    keys_per_split = cdiv(key_blocks, num_splits) * block_n
-    num_splits = cdiv(key_blocks * block_n, keys_per_split)
-    if num_splits == 1:
-        o_part, lse_part = o, lse
-    else:
-        o_part = torch.empty(num_splits, t, hq, d, dtype=torch.float32, device=q.device)
-        lse_part = torch.empty(num_splits, t, hq, dtype=torch.float32, device=q.device)
+    o_part, lse_part = split_buffers(num_splits, o, lse)
     stride_os = o_part.stride(0) if num_splits > 1 else 0
     stride_ls = lse_part.stride(0) if num_splits > 1 else 0
-    block_d = max(16, pow2(d))
-    _prefix_attention_kernel[(tiles, hkv, num_splits)](
+    launches = [Launch(_prefix_attention_kernel, (tiles, hkv, num_splits), (
         q, k_cache, v_cache, o_part, lse_part, prefix_pages, prefix_lens, cu_q,
-        groups, keys_per_split, scale * LOG2E,
+        groups, scale * LOG2E,
         q.stride(0), q.stride(1), stride_os, o_part.stride(-3), o_part.stride(-2),
         stride_ls, lse_part.stride(-2), lse_part.stride(-1),
         prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
-        GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-        BLOCK_M=block_m, BLOCK_D=block_d, SOFTCAP=float(softcap), **options,
-    )
+    ), dict(GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
+            BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), SOFTCAP=float(softcap), **options))]
     if num_splits > 1:
-        block_h = min(16, pow2(hq))
-        _combine_splits_kernel[(t, cdiv(hq, block_h))](
-            o_part, lse_part, o, lse, t, hq, num_splits,
-            D=d, BLOCK_H=block_h, BLOCK_D=block_d,
-        )
-    return o, lse
-
+        launches.append(plan_combine(o_part, lse_part, o, lse))
+    return o, lse, launches

@@ -9,7 +9,9 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.triton import launch
 from kernels.triton.checks import check_cache, check_device, check_index, check_rows, pow2
+from kernels.triton.launch import Launch
 
 
 @triton.jit
@@ -46,6 +48,12 @@ def store_kv(
 
     K and V are cast to the cache dtype. A negative slot is skipped (a padding token).
     """
+    launch.run(plan_store_kv(k, v, k_cache, v_cache, slot_mapping))
+
+
+def plan_store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
+                  v_cache: torch.Tensor, slot_mapping: torch.Tensor) -> list[Launch]:
+    """The launches of store_kv."""
     _, hkv, d = check_cache(k_cache, v_cache)
     t = k.shape[0] if k.dim() == 3 else -1
     check_rows("k", k, (t, hkv, d))
@@ -54,10 +62,9 @@ def store_kv(
     check_device(_store_kv_kernel, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
                  slot_mapping=slot_mapping)
     if t == 0:
-        return
-    _store_kv_kernel[(t,)](
+        return []
+    return [Launch(_store_kv_kernel, (t,), (
         k, v, k_cache, v_cache, slot_mapping,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(1), k_cache.stride(2),
-        HKV=hkv, D=d, BLOCK_H=pow2(hkv), BLOCK_D=pow2(d),
-    )
+    ), {"HKV": hkv, "D": d, "BLOCK_H": pow2(hkv), "BLOCK_D": pow2(d)})]

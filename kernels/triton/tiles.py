@@ -12,6 +12,7 @@ Llama path) they compile away.
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -19,6 +20,7 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import pow2
+from kernels.triton.launch import dot_f32
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the jitted functions
@@ -48,12 +50,16 @@ def attend_pages(
     stride_slot, stride_kvh,
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
     m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0. WINDOW > 0
     (CAUSAL): a query sees the keys after q_pos - WINDOW only; SOFTCAP > 0: natural-unit scores
-    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask."""
+    s -> SOFTCAP * tanh(s / SOFTCAP) before the mask. DOT_F32: the products in float32 (the
+    interpreter's bfloat16 tl.dot is wrong: launch.dot_f32)."""
+    if DOT_F32:
+        q = q.to(tl.float32)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -69,6 +75,9 @@ def attend_pages(
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
+        if DOT_F32:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
         if SOFTCAP > 0:
             s = soft_cap(s, SOFTCAP * _LOG2E)  # log2 units: capped at SOFTCAP * log2(e)
@@ -83,7 +92,10 @@ def attend_pages(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+        p_in = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache's dtype, as on a GPU
+        if DOT_F32:
+            p_in = p_in.to(tl.float32)
+        acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=DOT_PRECISION)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -115,12 +127,20 @@ def store_tile(
     tl.store(lse_ptr + rows * stride_lt + heads * stride_lh, lse, mask=row_ok)
 
 
-def launch_options(dtype: torch.dtype) -> dict:
-    """Key block, dot precision and pipelining per dtype. float32: exact products (no TF32) and
-    smaller key blocks, which keep its shared memory under 100 KB and its compile time short."""
+def launch_options(dtype: torch.dtype, kernel: object, block_m: int, head_dim: int) -> dict:
+    """Key block, dot precision, warps and pipelining of a tile of block_m rows. float32: exact
+    products (no TF32) and smaller key blocks, which keep its shared memory under 100 KB and its
+    compile time short; 8 warps for 64-row tiles and head sizes over 64 (4 spilled up to 40 KB).
+    16-bit 64-row tiles of head size 128 take 32-key blocks: with 64, sm_80's registers spilled
+    (8-160 bytes with 4 or 8 warps, 2 or 3 stages; scripts/compile_check.py's full matrix).
+    DOT_F32: bfloat16 products upcast, in the interpreter only (launch.dot_f32)."""
+    f32 = {"DOT_F32": dot_f32(kernel, dtype)}
     if dtype == torch.float32:
-        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": 4, "num_stages": 2}
-    return {"BLOCK_N": 64, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3}
+        warps = 8 if block_m >= 64 or head_dim > 64 else 4
+        return {"BLOCK_N": 32, "DOT_PRECISION": "ieee", "num_warps": warps, "num_stages": 2,
+                **f32}
+    block_n = 32 if block_m >= 64 and head_dim > 64 else 64
+    return {"BLOCK_N": block_n, "DOT_PRECISION": None, "num_warps": 4, "num_stages": 3, **f32}
 
 
 def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int, int]:
@@ -128,3 +148,12 @@ def tile_rows(t: int, num_seqs: int, group: int, block_m: int) -> tuple[int, int
     block_m = max(block_m, 16, pow2(group))
     tile_q = block_m // group
     return block_m, tile_q, t // tile_q + num_seqs
+
+
+@functools.cache
+def target_programs(device: torch.device) -> int:
+    """Programs worth launching for one attention call: two per SM on a GPU, a few elsewhere
+    (the interpreter; meta tensors planned for scripts/compile_check.py)."""
+    if device.type != "cuda":
+        return 8
+    return 2 * torch.cuda.get_device_properties(device).multi_processor_count

@@ -8,11 +8,11 @@ import time
 import torch
 
 
-def load_hf_model(folder, device: str):
-    """The transformers model of `folder`, float32, in eval mode (loading is not timed)."""
+def load_hf_model(folder, device: str, dtype: str = "float32"):
+    """The transformers model of `folder` in `dtype`, in eval mode (loading is not timed)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).to(device)
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=getattr(torch, dtype)).to(device)
     model.eval()
     return model
 

@@ -19,9 +19,10 @@ from .schema import load_schema
 from .vllm_run import run_vllm
 from .workload import read_workload, workload_file
 
-# batchllm-json: prefix sharing on, every row constrained to --json-schema (only when given)
+# batchllm-json: prefix sharing on, every row constrained to --json-schema (only when given);
+# the -nographs settings: engine.cuda_graphs off (--graphs off or both)
 SETTINGS = ("hf-static", "hf-continuous", "vllm", "batchllm-sharing", "batchllm-no-sharing",
-            "batchllm-json")
+            "batchllm-sharing-nographs", "batchllm-no-sharing-nographs", "batchllm-json")
 
 
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
@@ -29,7 +30,9 @@ def skipped(args: argparse.Namespace) -> dict[str, bool]:
     return {"hf-static": args.skip_hf or args.skip_hf_static,
             "hf-continuous": args.skip_hf or args.skip_hf_continuous,
             "vllm": args.vllm_python is None,
-            "batchllm-sharing": args.skip_batchllm, "batchllm-no-sharing": args.skip_batchllm,
+            **{f"batchllm-{s}{g}": (args.skip_batchllm or args.graphs == ("on" if g else "off")
+                                    or args.sharing == ("off" if s == "sharing" else "on"))
+               for s in ("sharing", "no-sharing") for g in ("", "-nographs")},
             "batchllm-json": args.skip_batchllm or args.json_schema is None}
 
 
@@ -60,35 +63,44 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
     wanted = {args.only} if args.only is not None else set(SETTINGS)
     skip = skipped(args)
     runs: list[tuple[str, Callable[[], dict]]] = []
+    # --hf-rows N: the transformers baselines on the first N rows only (their rates compare)
+    hf_n = min(args.hf_rows or len(prompts), len(prompts))
+    hf_prompts, hf_limits = prompts[:hf_n], max_tokens[:hf_n]
     if not args.skip_hf and wanted & {"hf-static", "hf-continuous"}:
-        model = load_hf_model(folder, args.device)
+        model = load_hf_model(folder, args.device, args.dtype)
         if not skip["hf-static"]:
             runs.append(("hf-static",
-                         lambda: hf_static(model, prompts, max_tokens, pad_id, args.batch_size,
-                                           eos)))
+                         lambda: hf_static(model, hf_prompts, hf_limits, pad_id,
+                                           args.batch_size, eos)))
         if not skip["hf-continuous"] and has_continuous_batching(model):
             runs.append(("hf-continuous",
-                         lambda: hf_continuous(model, prompts, max_tokens, pad_id, eos)))
+                         lambda: hf_continuous(model, hf_prompts, hf_limits, pad_id, eos)))
     if not skip["vllm"] and "vllm" in wanted:
         job = {"model": str(folder), "prompts": prompts, "max_tokens": max_tokens,
                "eos": args.eos}
         runs.append(("vllm", lambda: run_vllm(args.vllm_python, job)))
     schema = load_schema(args.json_schema)
-    for name, sharing, constrained in (("batchllm-sharing", True, None),
-                                       ("batchllm-no-sharing", False, None),
-                                       ("batchllm-json", True, schema)):
+    for name, sharing, graphs, constrained in (
+            ("batchllm-sharing", True, True, None), ("batchllm-no-sharing", False, True, None),
+            ("batchllm-sharing-nographs", True, False, None),
+            ("batchllm-no-sharing-nographs", False, False, None),
+            ("batchllm-json", True, True, schema)):
         if skip[name] or name not in wanted:
             continue
         settings = {"model": args.model, "prompts": prompts, "max_tokens": max_tokens,
                     "prompt_tokens": prompt_tokens, "eos": args.eos, "json_schema": constrained,
                     "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
-                                      "device": args.device, "dtype": "float32"}}
+                                      "device": args.device, "dtype": args.dtype,
+                                      "cuda_graphs": graphs}}
         runs.append((name, lambda s=settings: run_batchllm(s)))
 
     if args.only is not None:
         runs = [(name, fn) for name, fn in runs if name == args.only]
-    results = [_timed(name, fn, prompt_tokens) for name, fn in runs]
+    hf_tokens = sum(len(p) for p in hf_prompts)
+    results = [_timed(name, fn, hf_tokens if name.startswith("hf-") else prompt_tokens)
+               for name, fn in runs]
     env = {"rows": len(prompts), "prompt_tokens": prompt_tokens, "device": args.device,
+           "dtype": args.dtype, "hf_rows": hf_n,
            "load_average_at_start": load, "cpu_count": os.cpu_count(),
            "threads": torch.get_num_threads(), "torch": torch.__version__}
     return results, env

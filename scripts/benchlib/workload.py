@@ -58,7 +58,16 @@ def read_workload(path: Path, tokenizer, rows: int | None, default_max_tokens: i
     """The first `rows` rows (all: None) of a Parquet with id, messages | prompt, max_tokens.
 
     Read by batchllm.rows.reader, a `prompt` becomes one user message, each chat goes through the
-    model's chat template and the tokenizer without extra special tokens: a job's tokens."""
+    model's chat template and the tokenizer without extra special tokens: a job's tokens. A
+    Parquet with a `prompt_token_ids` column (scripts/gpu_workloads.py: random-token jobs for
+    random-weight models) gives its token ids as they are."""
+    if "prompt_token_ids" in pq.read_schema(path).names:
+        table = pq.read_table(path).to_pydict()
+        keep = range(len(table["prompt_token_ids"]) if rows is None
+                     else min(rows, len(table["prompt_token_ids"])))
+        limits = table.get("max_tokens") or [None] * len(table["prompt_token_ids"])
+        return Workload([list(table["prompt_token_ids"][i]) for i in keep],
+                        [int(limits[i] or default_max_tokens) for i in keep])
     from batchllm.config import InputConfig
     from batchllm.rows.prompts import conversation, render_chats, tokenize
     from batchllm.rows.reader import read_input

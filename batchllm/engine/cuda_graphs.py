@@ -1,0 +1,122 @@
+"""Decode-only steps replayed as CUDA graphs, one per batch-size bucket (and per whether the step
+has shared-prefix groups), captured the first time a bucket is used, over the step buffers'
+fixed device addresses (step_buffers.py) and the device page table (block_table.py), as
+nano-vllm's capture_cudagraph does. Prefill and mixed steps run eagerly (device_runner.py).
+
+A step of n decodes runs as its bucket's b >= n rows: the n - b padding rows read no keys
+(context length 0), store nothing (slot -1) and are dropped after the forward. Groups are padded
+the same way: the real groups first, then one group of prefix length 0 holding the ungrouped
+and padding rows (its merge leaves their own part as it is), then empty groups. The graphs'
+shapes are the bucket's only: split counts come from the bucket and max_model_len, never from
+this step's lengths (the kernels split each sequence's own key range).
+
+Where there is nothing to capture (no CUDA: BATCHLLM_BACKEND=triton on the CPU) the same static
+path runs eagerly, so everything but the capture itself is what the tests run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchllm.engine.step_batch import StepBatch
+from batchllm.engine.step_buffers import StepBuffers
+from batchllm.model.attention import PagedAttention, StepMetadata
+from batchllm.model.decoder import DecoderModel
+
+
+def buckets(max_num_seqs: int) -> list[int]:
+    """Batch sizes graphs are captured for: 1, 2, 4, 8, then every 16 (nano-vllm's)."""
+    sizes = [b for b in (1, 2, 4, 8) if b < max_num_seqs]
+    sizes += list(range(16, max_num_seqs, 16))
+    return [*sizes, max_num_seqs]
+
+
+class DecodeGraphs:
+    def __init__(self, model: DecoderModel, attention: PagedAttention, buffers: StepBuffers,
+                 table: torch.Tensor, page_size: int, max_num_seqs: int, max_model_len: int,
+                 capture: bool) -> None:
+        """table: the device page table [rows, max_pages] int32 (BlockTable.table). capture:
+        record and replay graphs (CUDA); else run the static path eagerly."""
+        self.model, self.attention, self.buffers = model, attention, buffers
+        self.table, self.page_size, self.max_model_len = table, page_size, max_model_len
+        self.sizes = buckets(max_num_seqs)
+        self.capture = capture
+        dev = buffers.device
+        n = max_num_seqs
+        self._arange32 = torch.arange(n + 1, dtype=torch.int32, device=dev)  # cu_q, decode_seqs
+        self._arange64 = torch.arange(n, dtype=torch.int64, device=dev)  # sample rows
+        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        self._pool = None
+        self.captured: list[tuple[int, bool]] = []  # in capture order
+
+    def bucket(self, n: int) -> int:
+        return next(b for b in self.sizes if b >= n)
+
+    def inputs(self, batch: StepBatch, rows: list[int]) -> tuple[dict, tuple[int, bool]]:
+        """A decode-only step's values for the step buffers, padded to its bucket, and the key
+        of its graph (bucket, has groups)."""
+        n = len(batch.seqs)
+        b = self.bucket(n)
+        pad = b - n
+        values = {
+            "ids": [*batch.ids.tolist(), *[0] * pad],
+            "positions": [*batch.positions.tolist(), *[0] * pad],
+            "slots": [*batch.slots.tolist(), *[-1] * pad],
+            "seq_rows": [*rows, *[0] * pad],
+            "context_lens": [*batch.context_lens.tolist(), *[0] * pad],
+            "kv_start": [*batch.kv_start.tolist(), *[0] * pad],
+        }
+        if batch.groups:
+            groups, real = b // 2 + 1, len(batch.groups)
+            values["prefix_rows"] = [*(rows[g.lo] for g in batch.groups), *[0] * (groups - real)]
+            values["prefix_lens"] = [*(g.pages * self.page_size for g in batch.groups),
+                                     *[0] * (groups - real)]
+            values["cu_prefix_q"] = [0, *(g.hi for g in batch.groups), *[b] * (groups - real)]
+        return values, (b, bool(batch.groups))
+
+    def run(self, key: tuple[int, bool]) -> torch.Tensor:
+        """The staged step through its bucket's graph (captured on first use) or, with nothing
+        to capture, the same static path eagerly -> hidden states [bucket, H]; the step's rows
+        first, in step order."""
+        if not self.capture:
+            return self._forward(*key)
+        if key not in self._graphs:
+            self._capture(key)
+        graph, hidden = self._graphs[key]
+        graph.replay()
+        return hidden
+
+    def _forward(self, b: int, cascade: bool) -> torch.Tensor:
+        """The model over the static buffers' first b rows -> hidden states [b, H]."""
+        dev = self.buffers.dev
+        meta = StepMetadata(
+            slot_mapping=dev["slots"][:b],
+            page_table=torch.index_select(self.table, 0, dev["seq_rows"][:b]),
+            cu_q=self._arange32[: b + 1],
+            context_lens=dev["context_lens"][:b],
+            kv_start=dev["kv_start"][:b],
+            decode_seqs=self._arange32[:b],
+            max_context=self.max_model_len,
+        )
+        if cascade:
+            groups = b // 2 + 1
+            meta.cascade_rows = b
+            meta.prefix_pages = torch.index_select(self.table, 0, dev["prefix_rows"][:groups])
+            meta.prefix_lens = dev["prefix_lens"][:groups]
+            meta.cu_prefix_q = dev["cu_prefix_q"][: groups + 1]
+        self.attention.meta = meta
+        return self.model.hidden(dev["ids"][:b], dev["positions"][:b], self.attention,
+                                 self._arange64[:b])
+
+    def _capture(self, key: tuple[int, bool]) -> None:
+        # The step's own inputs are already staged: the warm-up (which compiles every kernel
+        # outside the capture) computes what the replay recomputes; the capture runs nothing.
+        self._forward(*key)
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self._pool):
+            hidden = self._forward(*key)
+        if self._pool is None:
+            self._pool = graph.pool()
+        self._graphs[key] = (graph, hidden)
+        self.captured.append(key)

@@ -1,0 +1,119 @@
+"""The CUDA path's runner: a step's host batch (step_batch.py) -> the device -> logits, with as
+little host work and as few transfers as the step allows.
+
+- Page tables stay on the device (block_table.py): a step writes only the entries that changed
+  (a decode step: a page every page_size tokens per sequence), and the kernels' [B, max_pages]
+  table is gathered on the device from the sequences' rows.
+- Every index array of a step goes over in one pinned, non-blocking copy per dtype into buffers
+  at fixed device addresses (step_buffers.py); nothing here waits for the device. The only
+  device-to-host transfer of a step is the sampled ids, in the engine.
+- Decode-only steps are replayed as CUDA graphs per batch-size bucket (cuda_graphs.py; with
+  engine.cuda_graphs, on CUDA); prefill and mixed steps run eagerly, their decodes in the
+  decode tile (ModelOps.tiles_decodes).
+- The engine runs the scheduler's bookkeeping for the step (step_done) while the device works,
+  before it waits for the sampled ids; the next step's schedule needs those ids (stops free
+  pages), so it cannot be built earlier.
+On the CPU (BATCHLLM_BACKEND=triton) the same code runs with the Triton interpreter, the static
+decode path eagerly.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from batchllm.engine.block_table import BlockTable
+from batchllm.engine.cuda_graphs import DecodeGraphs
+from batchllm.engine.request import Sequence
+from batchllm.engine.runner import StepOutput
+from batchllm.engine.step_batch import StepBatch, build_batch
+from batchllm.engine.step_buffers import StepBuffers
+from batchllm.model.attention import PagedAttention, StepMetadata
+from batchllm.model.decoder import DecoderModel
+
+
+class DeviceRunner:
+    def __init__(self, model: DecoderModel, attention: PagedAttention, page_size: int,
+                 cascade: bool, max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
+                 cuda_graphs: bool) -> None:
+        self.model, self.attention = model, attention
+        self.page_size, self.cascade = page_size, cascade
+        dev = self.device = model.embed.device
+        max_pages = -(-max_model_len // page_size) + 1
+        # Rows for the running sequences and as many idle ones (taken back when needed).
+        self.table = BlockTable(2 * max_num_seqs, max_pages, dev)
+        i64, i32 = torch.int64, torch.int32
+        tokens, seqs, groups = max(max_batched_tokens, max_num_seqs), max_num_seqs, \
+            max_num_seqs // 2 + 1
+        self.buffers = StepBuffers({
+            "ids": (i64, tokens), "positions": (i64, tokens), "slots": (i64, tokens),
+            "seq_rows": (i64, seqs), "prefix_rows": (i64, groups), "sample_rows": (i64, seqs),
+            "cu_q": (i32, seqs + 1), "context_lens": (i32, seqs), "kv_start": (i32, seqs),
+            "decode_seqs": (i32, seqs), "prefix_lens": (i32, groups),
+            "cu_prefix_q": (i32, groups + 1),
+            # Last: a step copies them only as far as it wrote them (all of a sequence's pages
+            # at most, when it is first seen or was reset).
+            "delta_index": (i64, seqs * max_pages), "delta_pages": (i32, seqs * max_pages),
+        }, dev)
+        self.graphs = None
+        if cuda_graphs:
+            self.graphs = DecodeGraphs(model, attention, self.buffers, self.table.table,
+                                       page_size, max_num_seqs, max_model_len,
+                                       capture=dev.type == "cuda")
+
+    def run(self, seqs: list[Sequence], counts: list[int],
+            wants_logits: list[bool]) -> StepOutput:
+        batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
+        rows, index, pages = self.table.update(batch.seqs)
+        graph = self.graphs is not None and batch.decode_only
+        values, key = self.graphs.inputs(batch, rows) if graph else (self._inputs(batch, rows),
+                                                                       None)
+        values.update(delta_index=index, delta_pages=pages)
+        self.buffers.stage(values)
+        dev = self.buffers.dev
+        self.table.write(dev["delta_index"][: len(index)], dev["delta_pages"][: len(index)])
+        if graph:
+            hidden = self.graphs.run(key)
+            n = len(batch.seqs)
+            hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[
+                torch.tensor(batch.sample_rows, device=self.device)]  # rare: a prefix's token
+        else:
+            hidden = self._eager(batch)
+        return StepOutput(self.model.logits(hidden), batch.sampled, batch.prefill_tokens)
+
+    def _inputs(self, batch: StepBatch, rows: list[int]) -> dict:
+        values = {
+            "ids": batch.ids, "positions": batch.positions, "slots": batch.slots,
+            "seq_rows": rows, "sample_rows": batch.sample_rows, "cu_q": batch.cu_q,
+            "context_lens": batch.context_lens, "kv_start": batch.kv_start,
+            "decode_seqs": [b for b, n in enumerate(batch.counts) if n == 1],
+        }
+        if batch.groups:
+            values["prefix_rows"] = [rows[g.lo] for g in batch.groups]
+            values["prefix_lens"] = [g.pages * self.page_size for g in batch.groups]
+            values["cu_prefix_q"] = batch.cu_q[[0, *(g.hi for g in batch.groups)]]
+        return values
+
+    def _eager(self, batch: StepBatch) -> torch.Tensor:
+        """The staged step, eagerly -> hidden states of the sampled rows [S, H]."""
+        dev = self.buffers.dev
+        t, b, s = batch.num_tokens, len(batch.seqs), len(batch.sample_rows)
+        table = self.table.table
+        meta = StepMetadata(
+            slot_mapping=dev["slots"][:t],
+            page_table=table[:, : batch.max_pages].index_select(0, dev["seq_rows"][:b]),
+            cu_q=dev["cu_q"][: b + 1],
+            context_lens=dev["context_lens"][:b],
+            kv_start=dev["kv_start"][:b],
+            decode_seqs=dev["decode_seqs"][: batch.counts.count(1)],
+            max_context=int(batch.context_lens.max()),
+        )
+        if batch.groups:
+            g = len(batch.groups)
+            widest = max(group.pages for group in batch.groups)
+            meta.cascade_rows = batch.cascade_rows
+            meta.prefix_pages = table[:, :widest].index_select(0, dev["prefix_rows"][:g])
+            meta.prefix_lens = dev["prefix_lens"][:g]
+            meta.cu_prefix_q = dev["cu_prefix_q"][: g + 1]
+        self.attention.meta = meta
+        return self.model.hidden(dev["ids"][:t], dev["positions"][:t], self.attention,
+                                 dev["sample_rows"][:s])
