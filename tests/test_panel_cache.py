@@ -27,10 +27,11 @@ PAGE = 8
 @pytest.fixture
 def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     """A private copy of the tiny Llama (its weights may be changed), with its own cache root."""
+    source = tiny_model_folder("llama")  # before the cache root moves: it converts SmolLM2
     monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
     monkeypatch.delenv("BATCHLLM_PANEL_CACHE", raising=False)
     copy = tmp_path / "llama"
-    shutil.copytree(tiny_model_folder("llama"), copy)
+    shutil.copytree(source, copy)
     return copy
 
 

@@ -89,9 +89,19 @@ def load_config(folder: Path) -> Any:
     from transformers import AutoConfig
 
     config = AutoConfig.from_pretrained(folder)
-    if path is not None:
-        write(path, _values(config))
+    values = _values(config)
+    if path is not None and _default_rope(values.get("rope_parameters")):
+        write(path, values)
     return config
+
+
+def _default_rope(params: Any) -> bool:
+    """Whether every layer kind's rotary embedding is the plain one (rotary.py computes it);
+    the scaled ones are transformers' functions, which take transformers' config itself."""
+    if not isinstance(params, dict):
+        return params is None or params == _MISSING
+    kinds = [p for p in params.values() if isinstance(p, dict)] or [params]
+    return all(p.get("rope_type", "default") == "default" for p in kinds)
 
 
 def write(path: Path, values: Any) -> None:

@@ -36,16 +36,16 @@ class LoadedModel:
     first_forward: float | None = None  # perf_counter time the first forward began
 
     def __post_init__(self) -> None:
-        # The end of start-up (metrics.Phases): noted by the model's own forward, whatever
-        # calls it, at the cost of one check per step.
-        forward = self.model.forward
+        # The end of start-up (metrics.Phases): noted by the model's own layers' pass
+        # (`hidden`, which forward and the device runners call), at one check per step.
+        hidden = self.model.hidden
 
         def noted(*args, **kwargs):
             if self.first_forward is None:
                 self.first_forward = time.perf_counter()
-            return forward(*args, **kwargs)
+            return hidden(*args, **kwargs)
 
-        self.model.forward = noted
+        self.model.hidden = noted
 
 
 def pick_device(device: str) -> torch.device:

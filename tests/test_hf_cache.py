@@ -1,0 +1,142 @@
+"""The config and the tokenizer without transformers on a warm start (model/hf_cache.py,
+model/tokenizer.py): what the cache serves equals what transformers gives — every config
+attribute batchllm reads, for every family; token ids, decoded text and rendered chat templates
+on the real SmolLM2 tokenizer, a tiny model's, and one whose config adds tokens that
+tokenizer.json lacks — and a warm load imports no transformers."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hf_reference import FAMILY_KINDS, tiny_model_folder
+from transformers import AutoConfig, AutoTokenizer
+
+from batchllm.model import hf_cache, tokenizer
+from batchllm.model.hf_cache import READS, ResolvedConfig, load_config
+
+MODEL_CODE = ["families.py", "rotary.py", "decoder.py", "weights.py", "experts.py", "loader.py"]
+TEXTS = ["Hello world", "", "  spaces  and\ttabs\n\nnewlines ", "naïve café — 東京 🙂",
+         "<|im_start|>user\nHi<|im_end|>", "a <|tool|> b <|tool_start|>", "x" * 300,
+         "The parties agree that the Provider shall"]
+CHATS = [[{"role": "user", "content": "What is clause 4?"}],
+         [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"},
+          {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "And?"}]]
+
+
+def _json(value):
+    return json.loads(json.dumps(value))  # what a JSON round trip makes of it (tuples: lists)
+
+
+@pytest.mark.parametrize("kind", FAMILY_KINDS)
+def test_cached_config_reads_as_transformers_config(kind: str) -> None:
+    folder = tiny_model_folder(kind)
+    load_config(folder)  # resolved by transformers, cached
+    cached, real = load_config(folder), AutoConfig.from_pretrained(folder)
+    if not isinstance(cached, ResolvedConfig):  # a scaled rope: transformers' config itself
+        assert not hf_cache._default_rope(real.rope_parameters)
+        return
+    missing = object()
+    for name in READS:
+        assert _json(getattr(cached, name, None)) == _json(getattr(real, name, None)), name
+        assert (getattr(cached, name, missing) is missing) == (
+            getattr(real, name, missing) is missing), name
+
+
+def test_smollm2_config_is_served_from_the_cache(smollm2_folder: Path) -> None:
+    load_config(smollm2_folder)
+    assert isinstance(load_config(smollm2_folder), ResolvedConfig)
+
+
+def test_every_config_attribute_the_model_code_reads_is_cached() -> None:
+    here = Path(hf_cache.__file__).parent
+    read = set()
+    for name in MODEL_CODE:
+        text = (here / name).read_text()
+        read |= set(re.findall(r"\b(?:c|config)\.([a-z_]+)\b", text))
+        read |= set(re.findall(r"getattr\(\s*(?:c|config),\s*\"([a-z_]+)\"", text))
+    not_attributes = {"json", "quantization_config"}  # "config.json"; the GGUF conversion's
+    assert read - set(READS) - not_attributes == set()
+
+
+def test_a_changed_config_is_resolved_again(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_folder("llama"), folder)
+    load_config(folder)
+    assert load_config(folder).rms_norm_eps == AutoConfig.from_pretrained(folder).rms_norm_eps
+    raw = json.loads((folder / "config.json").read_text())
+    raw["rms_norm_eps"] = 0.125
+    (folder / "config.json").write_text(json.dumps(raw))
+    assert load_config(folder).rms_norm_eps == 0.125
+
+
+@pytest.fixture(scope="module")
+def extra_tokens_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_folder: Path) -> Path:
+    """SmolLM2's tokenizer whose config names a special token tokenizer.json lacks and another
+    BOS: transformers adds them to its backend, so the raw tokenizer.json encodes otherwise."""
+    folder = tmp_path_factory.mktemp("extra-tokens")
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        shutil.copy(smollm2_folder / name, folder / name)
+    config = json.loads((folder / "tokenizer_config.json").read_text())
+    config.update(extra_special_tokens=["<|tool|>"], bos_token="<|tool_start|>")
+    (folder / "tokenizer_config.json").write_text(json.dumps(config))
+    return folder
+
+
+@pytest.fixture(params=["smollm2", "tiny", "extra"])
+def tokenizer_folder(request, smollm2_folder: Path, extra_tokens_folder: Path) -> Path:
+    return {"smollm2": smollm2_folder, "tiny": tiny_model_folder("llama"),
+            "extra": extra_tokens_folder}[request.param]
+
+
+def test_cached_tokenizer_equals_transformers(tokenizer_folder: Path) -> None:
+    tokenizer.load(tokenizer_folder)  # transformers', its backend cached
+    ours, hf = tokenizer.load(tokenizer_folder), AutoTokenizer.from_pretrained(tokenizer_folder)
+    assert isinstance(ours, tokenizer.Tokenizer)
+    for special in (True, False):
+        assert ours(TEXTS, add_special_tokens=special)["input_ids"] == hf(
+            TEXTS, add_special_tokens=special)["input_ids"]
+        assert ours(TEXTS[0], add_special_tokens=special)["input_ids"] == hf(
+            TEXTS[0], add_special_tokens=special)["input_ids"]
+    for ids in hf(TEXTS, add_special_tokens=True)["input_ids"] + [[2, 1, 49152, 49153, 0]]:
+        for skip in (True, False):
+            assert ours.decode(ids, skip_special_tokens=skip) == hf.decode(
+                ids, skip_special_tokens=skip)
+    assert ours.apply_chat_template(CHATS, tokenize=False, add_generation_prompt=True) == (
+        hf.apply_chat_template(CHATS, tokenize=False, add_generation_prompt=True))
+    assert ours.apply_chat_template(CHATS[1], tokenize=False) == hf.apply_chat_template(
+        CHATS[1], tokenize=False)
+    assert (ours.eos_token_id, ours.bos_token_id) == (hf.eos_token_id, hf.bos_token_id)
+    assert ours.convert_ids_to_tokens([5, 6]) == hf.convert_ids_to_tokens([5, 6])  # passed on
+
+
+def test_the_extra_tokens_are_transformers_not_the_raw_file(extra_tokens_folder: Path) -> None:
+    import tokenizers
+
+    raw = tokenizers.Tokenizer.from_file(str(extra_tokens_folder / "tokenizer.json"))
+    tokenizer.load(extra_tokens_folder)
+    ours = tokenizer.load(extra_tokens_folder)
+    assert ours("a <|tool|>")["input_ids"] != raw.encode("a <|tool|>").ids
+
+
+def test_a_warm_load_imports_no_transformers(tmp_path: Path) -> None:
+    folder = tmp_path / "m"
+    shutil.copytree(tiny_model_folder("llama"), folder)
+    script = (
+        "import sys; from batchllm.model.loader import load_model\n"
+        f"m = load_model({str(folder)!r}, 'float32', 'cpu')\n"
+        "m.tokenizer(['some text'], add_special_tokens=True)\n"
+        "print(type(m.tokenizer).__name__, sorted({n.split('.')[0] for n in sys.modules\n"
+        "      if n.startswith('transformers')}))\n")
+    env = {**os.environ, "BATCHLLM_CACHE": str(tmp_path / "cache")}
+    run = [sys.executable, "-c", script]
+    cold = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    warm = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
+    assert "transformers" in cold
+    assert warm.split() == ["Tokenizer", "[]"]
