@@ -132,6 +132,8 @@ def test_a_warm_load_imports_no_transformers(tmp_path: Path) -> None:
         "import sys; from batchllm.model.loader import load_model\n"
         f"m = load_model({str(folder)!r}, 'float32', 'cpu')\n"
         "m.tokenizer(['some text'], add_special_tokens=True)\n"
+        "m.tokenizer.apply_chat_template([[{'role': 'user', 'content': 'x'}]], tokenize=False,\n"
+        "                                add_generation_prompt=True)\n"
         "print(type(m.tokenizer).__name__, sorted({n.split('.')[0] for n in sys.modules\n"
         "      if n.startswith('transformers')}))\n")
     env = {**os.environ, "BATCHLLM_CACHE": str(tmp_path / "cache")}
@@ -140,3 +142,43 @@ def test_a_warm_load_imports_no_transformers(tmp_path: Path) -> None:
     warm = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
     assert "transformers" in cold
     assert warm.split() == ["Tokenizer", "[]"]
+
+
+TEMPLATES = {
+    "llama3": (
+        "{{ bos_token }}{% set ns = namespace(sys='') %}{% for m in messages %}"
+        "{% if m['role'] not in ['system', 'user', 'assistant'] %}"
+        "{{ raise_exception('bad role ' + m['role']) }}{% endif %}"
+        "{% if m['role'] == 'system' %}{% set ns.sys = m['content'] %}{% continue %}{% endif %}"
+        "<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n{{ m['content'] | trim }}"
+        "<|eot_id|>{% if loop.last and ns.sys %}[{{ ns.sys }}]{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n"
+        "{% endif %}"),
+    "blocks": (
+        "{%- for m in messages %}\n  {%- if loop.index > 3 %}{% break %}{% endif %}\n"
+        "  {{- m | tojson }}\n  {{ dict(a=1, b=m['role']) | tojson(indent=2) }}\n"
+        "{%- endfor %}\n{{ eos_token }}{{ tools is none }}{{ documents is none }}"),
+}
+
+
+@pytest.mark.parametrize("name", ["smollm2", *TEMPLATES])
+def test_templates_render_as_transformers_renders_them(name: str, smollm2_folder: Path) -> None:
+    from batchllm.model import chat_template
+
+    hf = AutoTokenizer.from_pretrained(smollm2_folder)
+    template = hf.get_chat_template() if name == "smollm2" else TEMPLATES[name]
+    chats = [*CHATS, [{"role": "user", "content": "ünïcode <b>&</b> \"quotes\"", "name": None}]]
+    for gen in (True, False):
+        expected = hf.apply_chat_template(chats, chat_template=template, tokenize=False,
+                                          add_generation_prompt=gen)
+        assert chat_template.render(template, chats, gen, hf.special_tokens_map) == expected
+
+
+def test_a_template_error_is_raised_as_transformers_raises_it() -> None:
+    import jinja2
+
+    from batchllm.model import chat_template
+
+    with pytest.raises(jinja2.exceptions.TemplateError, match="bad role tool"):
+        chat_template.render(TEMPLATES["llama3"], [[{"role": "tool", "content": "x"}]], True,
+                             {"bos_token": "<s>"})

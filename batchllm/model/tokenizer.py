@@ -8,8 +8,7 @@ spaces it may add is skipped for BPE models). So the backend, serialized once af
 transformers built it, and those few settings give the same ids and text: the first load of a
 folder builds them through transformers, later loads read the cache (0.07 s instead of about
 1 s of imports). Where transformers' tokenizer does more than its backend (a slow tokenizer, a
-clean-up of decoded spaces), it is used itself. The chat template is rendered by transformers'
-own renderer (render_jinja_template, imported when the first template is rendered: 0.4 s).
+clean-up of decoded spaces), it is used itself. Chat templates: chat_template.py.
 
 Anything else of transformers' tokenizer API is there too: Tokenizer passes it to the real
 tokenizer, built on first use.
@@ -23,6 +22,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from batchllm.model import chat_template as templates
 from batchllm.model import hf_cache
 
 _WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
@@ -70,14 +70,9 @@ class Tokenizer:
             return self.transformers.apply_chat_template(
                 conversation, tokenize=tokenize, add_generation_prompt=add_generation_prompt,
                 **kwargs)
-        from transformers.utils.chat_template_utils import render_jinja_template
-
         chats = conversation if batched else [conversation]
-        # apply_chat_template drops the keys whose value is None before rendering
-        chats = [[{k: v for k, v in m.items() if v is not None} for m in chat] for chat in chats]
-        rendered, _ = render_jinja_template(
-            conversations=chats, chat_template=self.chat_template,
-            add_generation_prompt=add_generation_prompt, **self.special_tokens_map)
+        rendered = templates.render(self.chat_template, chats, add_generation_prompt,
+                                    self.special_tokens_map)
         return rendered if batched else rendered[0]
 
     @property
