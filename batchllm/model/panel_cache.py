@@ -118,19 +118,22 @@ class PanelStore:
         self.key = source_key(folder)
         self.paths = cache_paths(folder)
         self.status = "miss"  # hit | written | miss (packed, not written: no writable place)
-        self.packs = 0  # projections packed by this build (0 on a hit)
         self._entries: list[dict] = []
         self._data: torch.Tensor | None = None  # the mapped file, uint8
         self._built: list[tuple[int, tuple[torch.Tensor, torch.Tensor | None]]] = []
         self._stale = True
         for path in self.paths:
             header = read_header(path)
-            if header is not None and header.get("key") == self.key:
-                self._entries = header["entries"]
+            if header is None or header.get("key") != self.key:
+                continue
+            try:  # replaced meanwhile by another run: a miss, packed and written again
                 self._data = torch.from_file(str(path), shared=False, size=header["file_bytes"],
                                              dtype=torch.uint8)
-                self._stale = False
-                break
+            except (OSError, RuntimeError):
+                continue
+            self._entries = header.get("entries") or []
+            self._stale = False
+            break
 
     def take(self, weight: torch.Tensor | list[torch.Tensor],  # [N, K] float32, or row blocks
              bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -145,11 +148,18 @@ class PanelStore:
         if served is None:
             self._stale = True
             served = cpu_linear.pack_panels(weight), cpu_linear.pack_bias(bias, n)
-            self.packs += 1
         self._built.append((n, served))
         return served
 
     def _serve(self, entry: dict, n: int, k: int,
+               has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
+        """The views of one entry, or None where it does not describe this projection."""
+        try:
+            return self._views(entry, n, k, has_bias)
+        except (KeyError, TypeError, ValueError, RuntimeError):  # a header not of this writer
+            return None
+
+    def _views(self, entry: dict, n: int, k: int,
                has_bias: bool) -> tuple[torch.Tensor, torch.Tensor | None] | None:
         if entry["shape"] != [n, k] or (entry["bias"] is not None) != has_bias:
             return None
