@@ -255,11 +255,13 @@ def _write_failed(e: storage.WriteFailed, cfg: JobConfig, writer: CheckpointWrit
     return f"{e}; {saved}; once there is room, resume with: {resume}"
 
 
-def _phases_of(metrics: RunMetrics, phases: Phases) -> dict:
-    """The run's metrics, its plan and run seconds moved into the job's phases (where the
-    sharded path's workers ran them: the slowest worker's)."""
-    phases.seconds["plan"] = metrics.plan_seconds
-    phases.seconds["run"] = metrics.run_seconds
+def _phases_of(metrics, phases: Phases) -> dict:
+    """The metrics file's keys of a RunMetrics (or the sharded path's ShardedMetrics, whose
+    `run` merges its workers': the slowest one's plan and run seconds), its plan and run
+    seconds put into the job's phases."""
+    run: RunMetrics = getattr(metrics, "run", metrics)
+    phases.seconds["plan"] = run.plan_seconds
+    phases.seconds["run"] = run.run_seconds
     return metrics.to_dict()
 
 
