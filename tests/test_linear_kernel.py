@@ -1,18 +1,29 @@
-"""The C projection kernel's own paths (kernels/cpu/linear.c), called directly: every tile height
-(1 .. 24 rows with AVX-512, 1 .. 6 with AVX2) and the even cuts past it, products small enough to
+"""The C projection kernel's own paths (kernels/cpu/linear.c), called directly, as built for this
+machine and with AVX-512, then AVX2 switched off: every tile height (1 .. 24 rows with AVX-512,
+1 .. 6 otherwise) and the even cuts past it, products small enough to
 run on one thread and large enough to fork, odd N and K, bias or none; and the argmax entry that
 the greedy rows' lm_head takes, which must return torch.argmax of the kernel's own logits exactly
 (first maximum on ties, NaN highest), planted ties included."""
+
+import functools
 
 import pytest
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import build
 from kernels.cpu import linear as cpu_linear
 
+# The kernel as this machine builds it, and its narrower paths built here too (a machine without
+# AVX-512, or without AVX2, runs those): extra compiler flags for each.
+ISAS = {"native": (), "avx2": ("-mno-avx512f",), "plain": ("-mno-avx2", "-mno-fma")}
 
-@pytest.fixture(autouse=True)
-def kernel():
+
+@pytest.fixture(autouse=True, params=list(ISAS))
+def kernel(request, monkeypatch):
+    if request.param != "native":
+        monkeypatch.setattr(build, "_FLAGS", (*build._FLAGS, *ISAS[request.param]))
+        monkeypatch.setattr(cpu_linear, "load", functools.cache(cpu_linear.load.__wrapped__))
     if cpu_linear.load() is None:
         pytest.skip("the C projection kernel cannot be built here")
 
