@@ -9,6 +9,14 @@ reordered weight -> this: 16 rows 80-103 -> 141 GFLOP/s, 39 rows 105-119 -> 167,
 -> 160-179, 512 rows 128-146 -> 168-188, 8,192 rows 151 -> 168 (the machine's phases move both;
 in a whole run, decode steps of 48-64 rows reach 171-178). Without a compiler, or with
 BATCHLLM_CPU_KERNEL=0, `load()` returns None.
+
+Small steps are bound by the weights' stream: 538 MB a step against ~14.5 GB/s for one core and
+~25-27.5 GB/s for two (scripts/bench_linear.py), a floor of ~20 ms a step whatever its rows. The
+AVX-512 tiles of up to 24 rows read each panel once and ask for it 8 KB ahead into L2; on one
+thread (the other core busy with niced work) a whole step of the model's projections took, for
+1 / 8 / 16 / 24 / 32 rows, 35.6 / 55.8 / 75.3 / 92.0 / 112.6 ms with 6-row AVX2 tiles and
+37.1 / 43.0 / 54.2 / 63.6 / 81.6 ms with these (floor ~36). `linear_argmax` is the greedy rows'
+lm_head: the same product folded into each row's argmax, the [M, 49,152] logits never written.
 """
 
 from __future__ import annotations
