@@ -18,6 +18,7 @@ import pkgutil
 import torch
 
 import kernels.triton
+from kernels.triton.gated_mul import plan_gated_mul
 from kernels.triton.grouped_matmul import plan_grouped_matmul
 from kernels.triton.launch import Launch
 from kernels.triton.merge_states import plan_merge_states
@@ -25,7 +26,6 @@ from kernels.triton.paged_attention import plan_paged_attention
 from kernels.triton.prefix_attention import plan_prefix_attention
 from kernels.triton.rms_norm import plan_add_rms_norm
 from kernels.triton.rotary import plan_rope_store
-from kernels.triton.gated_mul import plan_gated_mul
 from kernels.triton.store_kv import plan_store_kv
 
 STEPS = ("decode", "mixed", "prefill", "shared")

@@ -88,6 +88,41 @@ def test_greedy_matches_transformers(kind: str, sharing: bool, name: str) -> Non
     assert metrics["preemptions"] == 0
 
 
+def test_greedy_steps_take_the_lm_head_argmax(monkeypatch) -> None:
+    """On the C kernel's panels, a step whose sampling rows are all plain greedy gets the
+    lm_head's argmax (cpu_linear_argmax) and never the [S, V] logits; a step with a logprobs row,
+    or one sampling from a shared prefix's kept logits, takes the logits. Either way the tokens
+    are those of the logits path (exactly: the same values) and transformers'."""
+    llm = engine("llama")
+    model = llm.runtime.loaded.model
+    assert model.lm_head.panels is not None
+    calls = {"greedy": 0, "logits": 0}
+
+    def counted(name, fn):
+        def call(h):
+            out = fn(h)
+            calls[name] += out is not None
+            return out
+        return call
+
+    monkeypatch.setattr(model, "greedy", counted("greedy", model.greedy))
+    monkeypatch.setattr(model, "logits", counted("logits", model.logits))
+    prompts = nested_prompts()
+    fused = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (out, (tokens, gaps)) in enumerate(zip(fused, reference("llama"))):
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+    assert calls["greedy"] > 3 * calls["logits"] > 0  # the prefix-of-another row: logits
+    mixed = [SamplingParams(max_tokens=MAX_TOKENS, logprobs=2 if i == 4 else 0)
+             for i in range(len(prompts))]
+    calls.update(greedy=0, logits=0)
+    with_logprobs = llm.generate(prompts, mixed)
+    assert calls["logits"] > 0
+    monkeypatch.setattr(model, "greedy", lambda h: None)  # the logits path only
+    unfused = llm.generate(prompts, SamplingParams(max_tokens=MAX_TOKENS))
+    assert [o.token_ids for o in fused] == [o.token_ids for o in unfused]
+    assert [o.token_ids for o in fused] == [o.token_ids for o in with_logprobs]
+
+
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None:
     """BATCHLLM_CPU_KERNEL=0 (or no C compiler): every part of the CPU path in torch."""

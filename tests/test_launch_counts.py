@@ -67,11 +67,11 @@ def count_decode_steps(monkeypatch, cuda_graphs: bool) -> list[dict]:
         for x in launches:
             current["triton"][x.kernel.fn.__name__] += 1
 
-    def counted_run(seqs, counts, wants):
+    def counted_run(seqs, counts, wants, *rest):
         current.update(triton=Counter(), graph=Counter())
         mode = _TorchOps()
         with mode:
-            out = run(seqs, counts, wants)
+            out = run(seqs, counts, wants, *rest)
         current["torch"] = mode.ops
         current["decode"] = all(n == 1 for n in counts)
         steps.append(dict(current))

@@ -69,13 +69,13 @@ def test_other_dtypes_on_the_cpu_run_the_twins():
 def test_cuda_runs_the_triton_kernels():
     pytest.importorskip("triton")
     from kernels.triton import (
+        gated_mul,
         grouped_matmul,
         merge_states,
         paged_attention,
         prefix_attention,
         rms_norm,
         rotary,
-        gated_mul,
         store_kv,
     )
 

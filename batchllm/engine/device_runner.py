@@ -60,8 +60,8 @@ class DeviceRunner:
                                        page_size, max_num_seqs, max_model_len,
                                        capture=dev.type == "cuda")
 
-    def run(self, seqs: list[Sequence], counts: list[int],
-            wants_logits: list[bool]) -> StepOutput:
+    def run(self, seqs: list[Sequence], counts: list[int], wants_logits: list[bool],
+            greedy: bool = False) -> StepOutput:  # greedy: unused, the logits stay on the device
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         rows, index, pages = self.table.update(batch.seqs)
         graph = self.graphs is not None and batch.decode_only

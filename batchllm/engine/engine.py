@@ -16,7 +16,7 @@ from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
 from batchllm.engine.runner import make_runner
-from batchllm.engine.sampler import row_key, sample, token_logprobs
+from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import PagedAttention
@@ -89,11 +89,16 @@ class Engine:
             self.attention.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
             out = None
             if step.seqs:
-                out = self.runner.run(step.seqs, step.num_tokens, wants)
+                # every sampling row greedy and plain: the lm_head may hand back the argmax
+                greedy = not step.from_prefix and all(
+                    greedy_only(s) for s, w in zip(step.seqs, wants) if w)
+                out = self.runner.run(step.seqs, step.num_tokens, wants, greedy)
                 stats.prefill_tokens += out.prefill_tokens
             sched.step_done(step)
             to_sample, sampling = [], []  # logits rows and the sequences they sample for
-            if out is not None:
+            if out is not None and out.tokens is not None:
+                self._advance(out.sampled, out.tokens, sched, rows, on_row, stats)
+            elif out is not None:
                 for i, seq in enumerate(out.sampled):
                     if seq.kind is Kind.PREFIX:
                         node_logits[seq.key] = out.logits[i]
@@ -167,6 +172,11 @@ class Engine:
                                  [tokens[i] for i in scored], [sp[i].logprobs for i in scored])
             for i, lp in zip(scored, lps):
                 seqs[i].logprobs.append(lp)
+        self._advance(seqs, tokens, sched, rows, on_row, stats)
+
+    def _advance(self, seqs: list[Sequence], tokens: list[int], sched, rows: list[Row], on_row,
+                 stats) -> None:
+        """Each sequence takes its new token; the finished ones go to on_row."""
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
             stats.completion_tokens += 1

@@ -22,9 +22,10 @@ from batchllm.model.decoder import DecoderModel
 
 
 class StepOutput(NamedTuple):
-    logits: torch.Tensor  # [S, V] fp32, one row per sequence in `sampled`
+    logits: torch.Tensor | None  # [S, V] fp32, one row per sequence in `sampled`
     sampled: list[Sequence]
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
+    tokens: list[int] | None = None  # instead of logits: their argmax, for a greedy step
 
 
 class ModelRunner:
@@ -44,7 +45,10 @@ class ModelRunner:
         seqs: list[Sequence],
         counts: list[int],
         wants_logits: list[bool],
+        greedy: bool = False,
     ) -> StepOutput:
+        """greedy: every sequence that samples takes the argmax, which the lm_head may then
+        return instead of the logits (StepOutput.tokens)."""
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         dev = self.device
         table = np.zeros((len(batch.seqs), batch.max_pages), dtype=np.int32)
@@ -60,13 +64,16 @@ class ModelRunner:
         if batch.groups:
             self._add_cascade(meta, batch)
         self.attention.meta = meta
-        logits = self.model.forward(
+        h = self.model.hidden(
             torch.from_numpy(batch.ids).to(dev),
             torch.from_numpy(batch.positions).to(dev),
             self.attention,
             torch.tensor(batch.sample_rows, dtype=torch.int64, device=dev),
-        )
-        return StepOutput(logits, batch.sampled, batch.prefill_tokens)
+        )  # [S, H]
+        tokens = self.model.greedy(h) if greedy else None
+        if tokens is not None:
+            return StepOutput(None, batch.sampled, batch.prefill_tokens, tokens.tolist())
+        return StepOutput(self.model.logits(h), batch.sampled, batch.prefill_tokens)
 
     def _add_cascade(self, meta: StepMetadata, batch: StepBatch) -> None:
         dev = self.device

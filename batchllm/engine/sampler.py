@@ -12,6 +12,7 @@ import hashlib
 
 import torch
 
+from batchllm.engine.request import Kind, Sequence
 from batchllm.rows.record import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -33,6 +34,14 @@ def uniform(key: int, counter: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
+
+
+def greedy_only(seq: Sequence) -> bool:
+    """Whether a sequence's next token is the plain argmax of its logits, nothing else read
+    from them: a row at temperature 0, no grammar mask, no logprobs (then the lm_head need not
+    write the logits; a shared prefix's logits are kept for the rows under it)."""
+    return (seq.kind is Kind.ROW and seq.sampling.temperature == 0 and seq.matcher is None
+            and seq.logprobs is None)
 
 
 def filtered_probs(

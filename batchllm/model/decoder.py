@@ -103,7 +103,8 @@ class _Layer:
 
 class DecoderModel:
     """Weights and forward pass: `forward`, or its two halves `hidden` then `logits` (the CUDA
-    path captures `hidden` of decode steps in graphs, and computes the logits outside)."""
+    path captures `hidden` of decode steps in graphs, and computes the logits outside), or
+    `hidden` then `greedy` for steps whose rows all take the argmax."""
 
     def __init__(
         self,
@@ -180,3 +181,12 @@ class DecoderModel:
         if cap:  # Gemma 2, in the model dtype as transformers does
             logits = torch.tanh(logits / cap) * cap
         return logits.float()
+
+    @torch.inference_mode()
+    def greedy(self, h: torch.Tensor) -> torch.Tensor | None:  # [S, H] -> [S] int64, or None
+        """logits(h).argmax(-1) without the [S, V] logits written, where the lm_head's kernel
+        can reduce its product (the CPU panels; not under a final soft cap, whose rounding could
+        make ties that the raw logits do not have); None where it cannot: take logits()."""
+        if self.family.final_softcap:
+            return None
+        return self.lm_head.argmax(h)

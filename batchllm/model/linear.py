@@ -74,3 +74,10 @@ class Linear:
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
+
+    def argmax(self, x: torch.Tensor) -> torch.Tensor | None:  # [T, K] -> [T] int64, or None
+        """self(x).argmax(-1), the product never written, on the C kernel's panels (the same
+        values, so the same first maximum); None in the other layouts."""
+        if self.panels is None:
+            return None
+        return cpu_linear.linear_argmax(x, self.panels, self.panel_bias, self.out_features)

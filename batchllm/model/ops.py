@@ -105,13 +105,13 @@ def _triton_ops(device: torch.device) -> ModelOps:
         os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton's modules make the kernels
     try:
         from kernels.triton import (
+            gated_mul,
             grouped_matmul,
             merge_states,
             paged_attention,
             prefix_attention,
             rms_norm,
             rotary,
-            gated_mul,
             store_kv,
         )
     except Exception as error:  # not installed, or an install that fails at import

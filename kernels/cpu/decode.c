@@ -179,7 +179,8 @@ void cpu_decode_attention(const float *q, int64_t q_stride, const float *k_cache
                           int64_t num_q_heads, int64_t num_kv_heads, int64_t head_dim,
                           int64_t page_size, float scale, int64_t window, float softcap,
                           float *o, float *lse) {
-#pragma omp parallel for schedule(dynamic, 1)
+    /* one sequence: no team to fork (the other thread would only wait) */
+#pragma omp parallel for schedule(dynamic, 1) if (n > 1)
     for (int64_t i = 0; i < n; i++) {
         const int64_t b = seqs[i], end = context_lens[b];
         int64_t lo = kv_start[b];

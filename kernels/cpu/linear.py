@@ -9,6 +9,14 @@ reordered weight -> this: 16 rows 80-103 -> 141 GFLOP/s, 39 rows 105-119 -> 167,
 -> 160-179, 512 rows 128-146 -> 168-188, 8,192 rows 151 -> 168 (the machine's phases move both;
 in a whole run, decode steps of 48-64 rows reach 171-178). Without a compiler, or with
 BATCHLLM_CPU_KERNEL=0, `load()` returns None.
+
+Small steps are bound by the weights' stream: 538 MB a step against ~14.5 GB/s for one core and
+~25-27.5 GB/s for two (scripts/bench_linear.py), a floor of ~20 ms a step whatever its rows. The
+AVX-512 tiles of up to 24 rows read each panel once and ask for it 8 KB ahead into L2; on one
+thread (the other core busy with niced work) a whole step of the model's projections took, for
+1 / 8 / 16 / 24 / 32 rows, 35.6 / 55.8 / 75.3 / 92.0 / 112.6 ms with 6-row AVX2 tiles and
+37.1 / 43.0 / 54.2 / 63.6 / 81.6 ms with these (floor ~36). `linear_argmax` is the greedy rows'
+lm_head: the same product folded into each row's argmax, the [M, 49,152] logits never written.
 """
 
 from __future__ import annotations
@@ -33,6 +41,8 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
     lib.cpu_linear.restype = None
+    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.cpu_linear_argmax.restype = None
     return lib
 
 
@@ -68,6 +78,13 @@ def pack_bias(bias: torch.Tensor | None, n: int) -> torch.Tensor | None:
     return padded
 
 
+def _rows(x: torch.Tensor, panels: torch.Tensor) -> torch.Tensor:
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != panels.shape[1]:
+        raise ValueError(f"cpu_linear: float32 [M, {panels.shape[1]}] expected, got {x.dtype} "
+                         f"{tuple(x.shape)}")
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def linear(
     x: torch.Tensor,  # [M, K] float32, rows contiguous (any row stride)
     panels: torch.Tensor,  # [ceil(N / 16), K, 16] from pack_panels
@@ -75,13 +92,27 @@ def linear(
     n: int,
 ) -> torch.Tensor:  # [M, N]
     """x W^T + b on the packed weight."""
-    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[1] != panels.shape[1]:
-        raise ValueError(f"cpu_linear: float32 [M, {panels.shape[1]}] expected, got {x.dtype} "
-                         f"{tuple(x.shape)}")
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _rows(x, panels)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
                           0 if bias is None else bias.data_ptr(), n, y.data_ptr())
     return y
+
+
+def linear_argmax(
+    x: torch.Tensor,  # [M, K] float32, as linear()
+    panels: torch.Tensor,
+    bias: torch.Tensor | None,
+    n: int,
+) -> torch.Tensor:  # [M] int64
+    """linear(x, panels, bias, n).argmax(-1) without the [M, N] product ever written (a greedy
+    row's lm_head: 49,152 logits a row): the same values, so the same index, the first maximum
+    on ties and the first NaN where there is one, as torch.argmax."""
+    x = _rows(x, panels)
+    ids = torch.empty(x.shape[0], dtype=torch.int64)
+    if x.shape[0]:
+        load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
+                                 panels.data_ptr(), 0 if bias is None else bias.data_ptr(), n,
+                                 ids.data_ptr())
+    return ids

@@ -27,11 +27,12 @@ def load() -> ctypes.CDLL | None:
         return None
     i64, ptr, f32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float
     lib.cpu_add_rms_norm.argtypes = [ptr, ptr, ptr, f32, i64, i64, ptr]
-    lib.cpu_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr]
+    lib.cpu_rope.argtypes = [ptr, i64, i64, i64, i64, ptr, ptr, ptr, i64]
     lib.cpu_silu_mul.argtypes = [ptr, i64, i64, ptr]
     lib.cpu_store_kv.argtypes = [ptr, i64, ptr, i64, i64, i64, ptr, ptr, ptr]
-    for f in (lib.cpu_add_rms_norm, lib.cpu_rope, lib.cpu_silu_mul, lib.cpu_store_kv):
+    for f in (lib.cpu_add_rms_norm, lib.cpu_silu_mul, lib.cpu_store_kv):
         f.restype = None
+    lib.cpu_rope.restype = ctypes.c_int
     return lib
 
 
@@ -58,10 +59,9 @@ def rope_c(x, positions, cos, sin, heads):
     _rows(cos)
     _rows(sin)
     positions = positions.to(torch.int64).contiguous()
-    if positions.numel() and not 0 <= int(positions.min()) <= int(positions.max()) < len(cos):
+    if load().cpu_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, d, positions.data_ptr(),
+                       cos.data_ptr(), sin.data_ptr(), len(cos)):
         raise IndexError(f"rope_c: positions outside the table of {len(cos)}")
-    load().cpu_rope(x.data_ptr(), x.shape[0], x.stride(0), heads, d, positions.data_ptr(),
-                    cos.data_ptr(), sin.data_ptr())
 
 
 def silu_mul_c(gate_up):
