@@ -54,7 +54,7 @@ _ACTIVE: contextvars.ContextVar[PanelStore | None] = contextvars.ContextVar("pan
 _CODE = [Path(__file__).parent / n for n in ("panel_cache.py", "linear.py", "layers.py",
                                              "experts.py", "decoder.py", "rotary.py",
                                              "families.py")]
-_CODE.append(Path(cpu_linear.__file__))
+_CODE += [Path(cpu_linear.__file__), Path(cpu_linear.__file__).with_suffix(".c")]
 
 
 def source_key(folder: Path) -> dict:
