@@ -60,7 +60,8 @@ def _run_one(name: str, args: argparse.Namespace, workload: Path, tmp: Path) -> 
     return {"setting": name, "wall_s": wall, "prompt_tokens": m["prompt_tokens"],
             "output_tokens": m["completion_tokens"], "prefill_tokens": m["prefill_tokens"],
             "kv_pages_peak": m["kv_pages_peak"], "metrics": m,
-            "note": f"whole process; inside the run {m['wall_seconds']:.1f} s"}
+            "note": f"whole process; start-up {m.get('startup_seconds', 0):.1f} s, inside the "
+                    f"run {m['wall_seconds']:.1f} s"}
 
 
 def whole_process(args: argparse.Namespace) -> tuple[list[dict], dict, dict[str, list[dict]]]:
