@@ -50,6 +50,9 @@ def mean_of(runs: list[dict]) -> dict:
     r["wall_s"] = sum(t["wall_s"] for t in timed) / len(timed)
     r["output_tok_s"] = r["output_tokens"] / r["wall_s"]
     r["total_tok_s"] = (r["prompt_tokens"] + r["output_tokens"]) / r["wall_s"]
+    for key in ("constrained_wall_s", "same_tokens_wall_s"):  # batchllm-json's paired runs
+        if all(key in t for t in timed):
+            r[key] = sum(t[key] for t in timed) / len(timed)
     walls = ", ".join(f"{t['wall_s']:.1f}" for t in timed)
     r["note"] = f"mean of {len(timed)} runs ({walls} s)" + (f"; {r['note']}" if r.get("note")
                                                              else "")
