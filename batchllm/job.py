@@ -7,7 +7,6 @@ resume (JobFailed).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shlex
@@ -26,6 +25,7 @@ from batchllm.progress import Progress, summary
 from batchllm.rows import storage
 from batchllm.rows.blocks import InputIndex, read_index
 from batchllm.rows.build import build_rows
+from batchllm.rows.fingerprint import fingerprint
 from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
@@ -56,28 +56,6 @@ START_ERRORS = (ConfigError, JobCannotStart, ModelError, KVCacheTooSmall)  # exi
 def exit_code(error: BaseException) -> int:
     """The command's exit code for a run that raised `error`."""
     return 2 if isinstance(error, START_ERRORS) else 1
-
-
-def _file_digest(path: str) -> str:
-    h = hashlib.blake2b(digest_size=16)
-    with storage.open_bytes(path) as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
-
-
-def fingerprint(cfg: JobConfig, files: tuple[str, ...]) -> dict:
-    """What must not change between a run and its resume: the model, the input and its
-    contents, the sampling settings. Engine settings and the order may change."""
-    d = cfg.to_dict()
-    return {
-        "model": d["model"]["path"],
-        "dtype": d["model"]["dtype"],
-        "input": {k: v for k, v in d["input"].items() if k != "path"},
-        "sampling": d["sampling"],
-        "files": [[os.path.basename(f), _file_digest(f)] for f in files],
-        "include": [cfg.output.include_prompt, cfg.output.include_token_ids],
-    }
 
 
 def resume_command(job: object, overrides: list[str] | tuple[str, ...] = ()) -> str:

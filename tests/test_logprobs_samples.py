@@ -20,8 +20,9 @@ from job_files import tiny_job
 from batchllm import LLM, SamplingParams
 from batchllm.config import ConfigError, load_job
 from batchllm.engine.runtime import Runtime
-from batchllm.job import fingerprint, run_job
+from batchllm.job import run_job
 from batchllm.rows.build import build_rows
+from batchllm.rows.fingerprint import fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.samples import done_keys
 from batchllm.rows.writer import CheckpointWriter

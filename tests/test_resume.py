@@ -17,7 +17,7 @@ import pytest
 from job_files import ops_job, ops_reference, output_row, start_cli, tiny_job
 
 from batchllm.config import load_job
-from batchllm.job import fingerprint
+from batchllm.rows.fingerprint import fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
 
