@@ -276,24 +276,11 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     if isinstance(rows, InputRows) and rows.prompts_as_is:
         kinds = ["chat" if m is not None else "completion" for m in rows.messages]
     created = int(time.time())
+    # a token id's text, for the results' log-probabilities (the tokenizer loaded only if asked)
+    from batchllm.model.weights import lazy_token_text
+
     return lambda table, f: write_results(table, f, kinds, cfg.model.path, created,
-                                          _token_text(cfg))
-
-
-def _token_text(cfg: JobConfig):
-    """A token id's text, for the OpenAI results' log-probabilities; the tokenizer is loaded at
-    the first call (only a job with logprobs makes one)."""
-    tokenizer = None
-
-    def text(token_id: int) -> str:
-        nonlocal tokenizer
-        if tokenizer is None:
-            from batchllm.model.weights import resolve_model, run_tokenizer
-
-            tokenizer = run_tokenizer(resolve_model(cfg.model.path))
-        return tokenizer.decode([token_id])
-
-    return text
+                                          lazy_token_text(cfg.model.path))
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

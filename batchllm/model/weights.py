@@ -236,6 +236,20 @@ def run_tokenizer(folder: Path):
     return tokenizer
 
 
+def lazy_token_text(path: str):
+    """`text(token_id) -> str` for the model at `path` (an alias, folder or file); the tokenizer
+    is loaded at the first call, so a caller that never asks loads none."""
+    tokenizer = None
+
+    def text(token_id: int) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = run_tokenizer(resolve_model(path))
+        return tokenizer.decode([token_id])
+
+    return text
+
+
 def eos_token_ids(
     folder: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase
 ) -> set[int]:
