@@ -1,6 +1,7 @@
 """The C projection kernel's own paths (kernels/cpu/linear.c), called directly, as built for this
-machine and with AVX-512, then AVX2 switched off: every tile height (1 .. 24 rows with AVX-512,
-1 .. 6 otherwise) and the even cuts past it, products small enough to
+machine and with AVX-512, then AVX2 switched off, and on the tile unit (AMX, amx.h) where this
+CPU has it: every tile height (1 .. 24 rows with AVX-512, 1 .. 6 otherwise; on the tile unit
+pairs of 16-row tiles, a lone one, an odd last panel) and the even cuts past it, products small enough to
 run on one thread and large enough to fork, odd N and K, bias or none; and the argmax entry that
 the greedy rows' lm_head takes, which must return torch.argmax of the kernel's own logits exactly
 (first maximum on ties, NaN highest), planted ties included."""
@@ -26,6 +27,26 @@ def kernel(request, monkeypatch):
         monkeypatch.setattr(cpu_linear, "load", functools.cache(cpu_linear.load.__wrapped__))
     if cpu_linear.load() is None:
         pytest.skip("the C projection kernel cannot be built here")
+
+
+@pytest.fixture(autouse=True, params=["fma", "amx"])
+def path(request, kernel, monkeypatch):
+    """fma: the panels alone; amx: with their parts, so that products of amx_rows() rows and
+    more run on the tile unit (fewer rows still take the FMA tiles)."""
+    if request.param == "amx":
+        if cpu_linear.amx_rows() == 0:
+            pytest.skip("no tile unit here (a CPU without AMX-BF16, or a build without AVX-512)")
+        for name in ("linear", "linear_argmax"):
+            fn = getattr(cpu_linear, name)
+            monkeypatch.setattr(cpu_linear, name, functools.partial(_with_parts, fn))
+    return request.param
+
+
+_LINEAR = cpu_linear.linear  # as the module defines it: the parts passed or not by the caller
+
+
+def _with_parts(fn, x, panels, bias, n):
+    return fn(x, panels, bias, n, cpu_linear.split_parts(panels))
 
 
 def packed(w: torch.Tensor, b: torch.Tensor | None):
@@ -114,3 +135,26 @@ def test_argmax_nan_and_minus_inf_as_torch():
 def test_argmax_of_no_rows():
     panels, _ = packed(torch.randn(40, 8), None)
     assert cpu_linear.linear_argmax(torch.empty(0, 8), panels, None, 40).shape == (0,)
+
+
+def test_the_tile_unit_runs_where_the_cpu_has_it(path):
+    """On a CPU with AMX-BF16 the products of 32 rows and more take the tile unit: its sums
+    differ from the FMA chains in the last bits (another order), stay as close to float64, and
+    a row's values do not depend on the other rows of the product."""
+    with open("/proc/cpuinfo") as f:
+        has_amx = " amx_bf16" in f.read()
+    if not has_amx or path != "amx":
+        pytest.skip("the tile unit's own check: a CPU with AMX-BF16, the amx path")
+    assert cpu_linear.amx_rows() == 32
+    gen = torch.Generator().manual_seed(7)
+    n, k = 211, 333
+    w, x = torch.randn(n, k, generator=gen), torch.randn(97, k, generator=gen)
+    panels, _ = packed(w, None)
+    parts = cpu_linear.split_parts(panels)
+    tiles = _LINEAR(x, panels, None, n, parts)
+    fmas = _LINEAR(x, panels, None, n, None)
+    assert not torch.equal(tiles, fmas)
+    expected = F.linear(x.double(), w.double())
+    assert (tiles.double() - expected).abs().max() <= (fmas.double() - expected).abs().max()
+    for m in (32, 33, 48, 64):
+        assert torch.equal(_LINEAR(x[:m], panels, None, n, parts), tiles[:m])

@@ -58,9 +58,12 @@ class Linear:
         self.bias = bias
         self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
+        self.parts = None  # the panels split for the tile unit, made on the first step of enough rows
+        self.amx_rows = 0  # the rows from which a product runs on the tile unit (0: never)
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
             self.panels, self.panel_bias = _panels(weight, bias)
+            self.amx_rows = cpu_linear.amx_rows()
             return
         dense = torch.cat(parts) if len(parts) > 1 else first
         if layout == "onednn":
@@ -70,7 +73,8 @@ class Linear:
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
-            return cpu_linear.linear(x, self.panels, self.panel_bias, self.out_features)
+            return cpu_linear.linear(x, self.panels, self.panel_bias, self.out_features,
+                                     self._parts(x.shape[0]))
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -80,4 +84,15 @@ class Linear:
         values, so the same first maximum); None in the other layouts."""
         if self.panels is None:
             return None
-        return cpu_linear.linear_argmax(x, self.panels, self.panel_bias, self.out_features)
+        return cpu_linear.linear_argmax(x, self.panels, self.panel_bias, self.out_features,
+                                        self._parts(x.shape[0]))
+
+    def _parts(self, rows: int) -> torch.Tensor | None:
+        """The tile unit's parts of the panels for a product of `rows` rows, or None (the FMA
+        tiles): split on the first product that takes them, so that a model whose steps stay
+        small never holds them (1.5x the panels' memory)."""
+        if not self.amx_rows or rows < self.amx_rows:
+            return None
+        if self.parts is None:
+            self.parts = cpu_linear.split_parts(self.panels)
+        return self.parts

@@ -32,7 +32,8 @@
 #include <immintrin.h>
 #endif
 
-#define NR 16 /* panel width: y columns per tile */
+#include "argmax.h"
+
 #ifdef __AVX512F__
 #define MR 24 /* rows per tile, at most */
 #else
@@ -134,19 +135,6 @@ static void any_tile(int64_t rows, const float *x, int64_t lda, const float *w, 
     }
 }
 
-/* Where a thread's greedy rows keep their best column so far: val[r], ids[r] (-1: none yet). */
-typedef struct {
-    float *val;
-    int64_t *ids;
-} Best;
-
-/* whether value a at column ia comes before b at ib as an argmax (NaN highest, then the first) */
-static inline int beats(float a, int64_t ia, float b, int64_t ib) {
-    if (ib < 0) return 1;
-    if (isnan(a) || isnan(b)) return isnan(a) && (!isnan(b) || ia < ib);
-    return a > b || (a == b && ia < ib);
-}
-
 /* rows m0 .. m1 - 1 of y against panel p: written to y (best NULL), or folded into best */
 static void panel_rows(const float *x, int64_t lda, int64_t K, const float *panel,
                        const float *bias, float *y, Best *best, int64_t N, int64_t p, int64_t m0,
@@ -161,20 +149,66 @@ static void panel_rows(const float *x, int64_t lda, int64_t K, const float *pane
             any_tile(rows, xm, lda, panel, K, bias, y + m * N + p * NR, N, cols);
         } else {
             any_tile(rows, xm, lda, panel, K, bias, buffer, NR, cols);
-            for (int64_t r = 0; r < rows; r++) /* columns ascend: strictly better replaces */
-                for (int64_t j = 0; j < cols; j++)
-                    if (beats(buffer[r * NR + j], p * NR + j, best->val[m + r], best->ids[m + r])) {
-                        best->val[m + r] = buffer[r * NR + j];
-                        best->ids[m + r] = p * NR + j;
-                    }
+            fold(best, buffer, rows, cols, m, p);
         }
         m += rows;
     }
 }
 
-/* The product over every panel, in parallel over panels (per-thread bests in bests[thread]) */
+/* Below here the tiles of amx.h need PARALLEL_MACS and the folds above */
+#include "amx.h"
+
+/* 1 where the products run on the tile unit (the CPU has AMX-BF16, the kernel grants its
+ * tiles, and cpu_linear_use_amx has not switched it off), else 0 */
+int cpu_linear_amx(void) {
+#ifdef HAVE_AMX
+    return amx_wanted && amx_granted();
+#else
+    return 0;
+#endif
+}
+
+void cpu_linear_use_amx(int on) {
+#ifdef HAVE_AMX
+    amx_wanted = on;
+#else
+    (void)on;
+#endif
+}
+
+/* The fewest rows a product takes to the tile unit (with W's parts), 0 where it cannot */
+int64_t cpu_linear_amx_rows(void) {
+#ifdef HAVE_AMX
+    return cpu_linear_amx() ? AMX_MIN_ROWS : 0;
+#else
+    return 0;
+#endif
+}
+
+/* W's parts for the tile unit: panels [count, K, 16] -> parts [count, 3, Kp / 2, 32] bf16
+ * (Kp = K rounded up to 32; amx.h's split_panel) */
+void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts) {
+#ifdef HAVE_AMX
+    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
+#pragma omp parallel for schedule(static)
+    for (int64_t p = 0; p < count; p++)
+        split_panel(panels + p * K * NR, K, Kp, parts + p * 3 * Kp * NR);
+#else
+    (void)panels, (void)count, (void)K, (void)parts;
+#endif
+}
+
+/* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);
+ * on the tile unit where W's parts are given and the rows are enough */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                    const float *bias, int64_t N, float *y, Best *bests) {
+                    const uint16_t *parts, const float *bias, int64_t N, float *y, Best *bests) {
+#ifdef HAVE_AMX
+    if (parts && M >= AMX_MIN_ROWS && cpu_linear_amx() &&
+        amx_product(x, M, lda, K, parts, bias, N, y, bests))
+        return;
+#else
+    (void)parts;
+#endif
     const int64_t count = (N + NR - 1) / NR;
     int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
@@ -194,17 +228,17 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
     }
 }
 
-/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), bias
- * [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), their parts from
+ * cpu_linear_split or NULL, bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                const float *bias, int64_t N, float *y) {
-    product(x, M, lda, K, panels, bias, N, y, 0);
+                const uint16_t *parts, const float *bias, int64_t N, float *y) {
+    product(x, M, lda, K, panels, parts, bias, N, y, 0);
 }
 
 /* ids [M] = argmax over j of (x W^T + b)[r, j], y never written: the first maximum, NaN
  * highest. Same arguments as cpu_linear otherwise. */
 void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                       const float *bias, int64_t N, int64_t *ids) {
+                       const uint16_t *parts, const float *bias, int64_t N, int64_t *ids) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -214,7 +248,7 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     Best *bests = malloc(sizeof(Best) * threads);
     for (int t = 0; t < threads; t++) bests[t] = (Best){val + t * M, at + t * M};
     for (int64_t i = 0; i < threads * M; i++) at[i] = -1;
-    product(x, M, lda, K, panels, bias, N, 0, bests);
+    product(x, M, lda, K, panels, parts, bias, N, 0, bests);
     for (int64_t r = 0; r < M; r++) {
         float v = val[r];
         int64_t id = at[r];

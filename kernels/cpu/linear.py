@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import os
 from collections.abc import Sequence
 
 import torch
@@ -39,11 +40,37 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.cpu_linear.restype = None
-    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr]
+    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
     lib.cpu_linear_argmax.restype = None
+    lib.cpu_linear_use_amx.argtypes = [ctypes.c_int]
+    lib.cpu_linear_use_amx.restype = None
+    lib.cpu_linear_amx_rows.argtypes = []
+    lib.cpu_linear_amx_rows.restype = i64
+    lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr]
+    lib.cpu_linear_split.restype = None
+    lib.cpu_linear_use_amx(int(os.environ.get("BATCHLLM_CPU_AMX", "1") != "0"))
     return lib
+
+
+def amx_rows() -> int:
+    """The fewest rows a product takes to the tile unit (AMX-BF16, split to float32's exactness:
+    amx.h), given the weight's parts; 0 where it cannot: no kernel, a CPU without AMX-BF16, Linux
+    refusing the tiles, or BATCHLLM_CPU_AMX=0."""
+    lib = load()
+    return 0 if lib is None else int(lib.cpu_linear_amx_rows())
+
+
+def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3, Kp / 2, 32]
+    """The tile unit's copy of a packed weight: each float32 value as three bfloat16 (h + m + l,
+    exactly), pair-interleaved, K padded to Kp (a multiple of 32) with zeros. 1.5x the panels'
+    bytes; kept beside them (products of fewer rows stream the float32 panels)."""
+    count, k, _ = panels.shape
+    kp = -(-k // 32) * 32
+    parts = torch.empty(count, 3, kp // 2, 2 * PANEL, dtype=torch.int16)
+    load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr())
+    return parts
 
 
 def rows(weight: torch.Tensor | Sequence[torch.Tensor]) -> int:
@@ -90,13 +117,14 @@ def linear(
     panels: torch.Tensor,  # [ceil(N / 16), K, 16] from pack_panels
     bias: torch.Tensor | None,  # [16 ceil(N / 16)] from pack_bias, or None
     n: int,
+    parts: torch.Tensor | None = None,  # split_parts(panels): the tile unit from amx_rows() rows
 ) -> torch.Tensor:  # [M, N]
     """x W^T + b on the packed weight."""
     x = _rows(x, panels)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          0 if bias is None else bias.data_ptr(), n, y.data_ptr())
+                          _ptr(parts), _ptr(bias), n, y.data_ptr())
     return y
 
 
@@ -105,14 +133,18 @@ def linear_argmax(
     panels: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
+    parts: torch.Tensor | None = None,
 ) -> torch.Tensor:  # [M] int64
-    """linear(x, panels, bias, n).argmax(-1) without the [M, N] product ever written (a greedy
-    row's lm_head: 49,152 logits a row): the same values, so the same index, the first maximum
-    on ties and the first NaN where there is one, as torch.argmax."""
+    """linear(x, panels, bias, n, parts).argmax(-1) without the [M, N] product ever written (a
+    greedy row's lm_head: 49,152 logits a row): the same values, so the same index, the first
+    maximum on ties and the first NaN where there is one, as torch.argmax."""
     x = _rows(x, panels)
     ids = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
-                                 panels.data_ptr(), 0 if bias is None else bias.data_ptr(), n,
-                                 ids.data_ptr())
+                                 panels.data_ptr(), _ptr(parts), _ptr(bias), n, ids.data_ptr())
     return ids
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
