@@ -2,7 +2,9 @@
 model's ops record says (ops.py picks the layout; its reasons are there).
 
   "panels"  CPU, float32: cut into the 16-column panels of the C kernel (kernels/cpu/linear.py:
-            decode steps' few rows at 1.2-1.4x oneDNN's speed, larger products 1.1-1.2x)
+            decode steps' few rows at 1.2-1.4x oneDNN's speed, larger products 1.1-1.2x);
+            on a CPU with AMX-BF16 also split into the tile unit's bf16 parts (kernels/cpu/amx.h:
+            exact to float32), which products of 32 rows and more take, 1.4-2x the FMA tiles
   "onednn"  CPU, float32, where that kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0):
             reordered into oneDNN's blocked format (`torch.ops.mkldnn._reorder_linear_weight`,
             what torch.compile's freezing pass does) and run with oneDNN's matmul. MKL's sgemm
@@ -11,7 +13,7 @@ model's ops record says (ops.py picks the layout; its reasons are there).
             -> oneDNN: 39 rows 58-65 -> 95-103 GFLOP/s, 16 rows 38-45 -> 59-74, 256 rows
             121-136 -> 135-153.
   "dense"   the weight as loaded, F.linear (CUDA, other dtypes)
-Either CPU layout replaces the dense weight (no extra memory).
+Either CPU layout replaces the dense weight (no extra memory; the AMX parts add 1.5x the panels).
 """
 
 from __future__ import annotations
@@ -58,12 +60,14 @@ class Linear:
         self.bias = bias
         self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
-        self.parts = None  # the panels split for the tile unit, made on the first step of enough rows
+        self.parts = None  # the panels split for the tile unit, where it runs
         self.amx_rows = 0  # the rows from which a product runs on the tile unit (0: never)
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
             self.panels, self.panel_bias = _panels(weight, bias)
             self.amx_rows = cpu_linear.amx_rows()
+            if self.amx_rows:  # at load, as the panels (0.17 s for SmolLM2's 538 MB)
+                self.parts = cpu_linear.split_parts(self.panels)
             return
         dense = torch.cat(parts) if len(parts) > 1 else first
         if layout == "onednn":
@@ -88,11 +92,6 @@ class Linear:
                                         self._parts(x.shape[0]))
 
     def _parts(self, rows: int) -> torch.Tensor | None:
-        """The tile unit's parts of the panels for a product of `rows` rows, or None (the FMA
-        tiles): split on the first product that takes them, so that a model whose steps stay
-        small never holds them (1.5x the panels' memory)."""
-        if not self.amx_rows or rows < self.amx_rows:
-            return None
-        if self.parts is None:
-            self.parts = cpu_linear.split_parts(self.panels)
-        return self.parts
+        """The tile unit's parts of the panels for a product of `rows` rows (1.5x the panels'
+        memory, made at load), or None: the FMA tiles, which stream the 4-byte panels."""
+        return self.parts if self.amx_rows and rows >= self.amx_rows else None
