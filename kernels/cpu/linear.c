@@ -18,6 +18,11 @@
  * Every y[r, j] is the same chain of FMAs over k whatever the tile height, so the argmax entry
  * sees exactly the values the product writes: its argmax is that of the written logits, the
  * first maximum on ties (NaN above everything, as torch.argmax).
+ *
+ * Given W's parts (cpu_linear_split), a product of AMX_MIN_ROWS (32) rows or more runs on the
+ * AMX tile unit instead where the CPU has one (amx.h: as exact as these chains, summed in
+ * another order), so a row's last bits depend on whether its step had 32 rows; the argmax
+ * entry still sees the values its own product would write.
  */
 #include <math.h>
 #include <stdint.h>

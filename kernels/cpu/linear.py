@@ -17,6 +17,10 @@ thread (the other core busy with niced work) a whole step of the model's project
 1 / 8 / 16 / 24 / 32 rows, 35.6 / 55.8 / 75.3 / 92.0 / 112.6 ms with 6-row AVX2 tiles and
 37.1 / 43.0 / 54.2 / 63.6 / 81.6 ms with these (floor ~36). `linear_argmax` is the greedy rows'
 lm_head: the same product folded into each row's argmax, the [M, 49,152] logits never written.
+
+On a CPU with AMX-BF16, products of `amx_rows()` (32) rows and more run on the tile unit when the
+caller passes the weight's `split_parts` (amx.h: float32 split exactly into three bfloat16
+parts; 1.4-2x the FMA tiles on SmolLM2's shapes from 32 rows, 430-530 GFLOP/s at 512 rows).
 """
 
 from __future__ import annotations
