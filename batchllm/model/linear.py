@@ -4,7 +4,8 @@ model's ops record says (ops.py picks the layout; its reasons are there).
   "panels"  CPU, float32: cut into the 16-column panels of the C kernel (kernels/cpu/linear.py:
             decode steps' few rows at 1.2-1.4x oneDNN's speed, larger products 1.1-1.2x);
             on a CPU with AMX-BF16 also split into the tile unit's bf16 parts (kernels/cpu/amx.h:
-            exact to float32), which products of 32 rows and more take, 1.4-2x the FMA tiles
+            exact to float32), which every product then takes: 1.4-2x the FMA tiles from 32
+            rows, a little slower below (6 bytes a weight streamed where the panels are 4)
   "onednn"  CPU, float32, where that kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0):
             reordered into oneDNN's blocked format (`torch.ops.mkldnn._reorder_linear_weight`,
             what torch.compile's freezing pass does) and run with oneDNN's matmul. MKL's sgemm
@@ -61,12 +62,10 @@ class Linear:
         self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
         self.parts = None  # the panels split for the tile unit, where it runs
-        self.amx_rows = 0  # the rows from which a product runs on the tile unit (0: never)
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
             self.panels, self.panel_bias = _panels(weight, bias)
-            self.amx_rows = cpu_linear.amx_rows()
-            if self.amx_rows:  # at load, as the panels (0.17 s for SmolLM2's 538 MB)
+            if cpu_linear.uses_amx():  # at load, as the panels (0.17 s for SmolLM2's 538 MB)
                 self.parts = cpu_linear.split_parts(self.panels)
             return
         dense = torch.cat(parts) if len(parts) > 1 else first
@@ -78,7 +77,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return cpu_linear.linear(x, self.panels, self.panel_bias, self.out_features,
-                                     self._parts(x.shape[0]))
+                                     self.parts)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -89,9 +88,4 @@ class Linear:
         if self.panels is None:
             return None
         return cpu_linear.linear_argmax(x, self.panels, self.panel_bias, self.out_features,
-                                        self._parts(x.shape[0]))
-
-    def _parts(self, rows: int) -> torch.Tensor | None:
-        """The tile unit's parts of the panels for a product of `rows` rows (1.5x the panels'
-        memory, made at load), or None: the FMA tiles, which stream the 4-byte panels."""
-        return self.parts if self.amx_rows and rows >= self.amx_rows else None
+                                        self.parts)

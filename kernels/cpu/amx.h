@@ -1,7 +1,7 @@
 /* The projection y [M, N] = x [M, K] W^T + b on Intel AMX (the BF16 tile unit of Sapphire
  * Rapids and later), as exact as linear.c's float32 FMA chains: included by linear.c, which
- * takes it for products of AMX_MIN_ROWS rows and more where the CPU has the unit, Linux grants
- * its tiles and the caller gives W's parts (cpu_linear_split).
+ * takes it for every product where the CPU has the unit, Linux grants its tiles and the caller
+ * gives W's parts (cpu_linear_split).
  *
  * Exact by splitting, not by rounding: a float32 value is the sum of three bfloat16 values,
  * v = h + m + l (h = bf16(v), m = bf16(v - h), l = bf16(v - h - m): each difference is exact,
@@ -14,14 +14,16 @@
  * Why: a 16 x 16 x 32 tile product is 8,192 multiply-adds in 16 cycles where an AVX-512 core
  * does 32 a cycle, so six of them still beat the FMAs 2.7x; what bounds it is loading tiles (a
  * tile from L2 costs about two tile products), hence amx_quad's 2 x 2 tiles. W's parts are made
- * once (1.5x the panels' bytes, kept beside them): split per call they cost more than the FMAs
- * of a 16-row step. Below AMX_MIN_ROWS a step streams the weights, and 4 bytes a value (the
- * float32 panels) beat 6 (the parts). Measured on SmolLM2's shapes (weights in cache), GFLOP/s
- * FMA -> AMX: 32 rows 276-293 -> 343-389, 64 rows 261-285 -> 384-416, 512 rows 265-276 ->
- * 430-530.
+ * once (1.5x the panels' bytes): split per call, even by truncation, they cost more than the
+ * FMAs of a 16-row step. Measured on SmolLM2's shapes (weights in cache), GFLOP/s FMA -> AMX:
+ * 32 rows 276-293 -> 343-389, 64 rows 261-285 -> 384-416, 512 rows 265-276 -> 430-530.
  *
- * Each y[r, j] is the same sum in the same order whatever M (from AMX_MIN_ROWS) or the tile its
- * row falls in: the argmax entry sees the values the product writes.
+ * Every product takes the unit, however few its rows, though below ~32 rows the FMA tiles
+ * stream the float32 panels (4 bytes a value, where the parts are 6) a little faster: each
+ * y[r, j] is then the same sum in the same order whatever M or the tile its row falls in, so a
+ * row's values do not depend on the other rows of its step (DESIGN: a sampled row's output is
+ * the same whatever batch it ran in; a resumed job writes the same file), and the argmax entry
+ * sees the values the product writes.
  */
 #ifndef BATCHLLM_CPU_AMX_H
 #define BATCHLLM_CPU_AMX_H
@@ -64,7 +66,6 @@ typedef struct {
     uint8_t rows[16];
 } TileConfig;
 
-#define AMX_MIN_ROWS 32 /* fewer rows: the FMA tiles (16, 24, 48 measured alike in a run) */
 
 static int amx_state = -1; /* -1: not asked yet, 0: refused, 1: granted */
 static int amx_wanted = 1; /* cpu_linear_use_amx(0): the FMA tiles, for tests and comparisons */

@@ -19,10 +19,8 @@
  * sees exactly the values the product writes: its argmax is that of the written logits, the
  * first maximum on ties (NaN above everything, as torch.argmax).
  *
- * Given W's parts (cpu_linear_split), a product of AMX_MIN_ROWS (32) rows or more runs on the
- * AMX tile unit instead where the CPU has one (amx.h: as exact as these chains, summed in
- * another order), so a row's last bits depend on whether its step had 32 rows; the argmax
- * entry still sees the values its own product would write.
+ * Given W's parts (cpu_linear_split), every product runs on the AMX tile unit instead where the
+ * CPU has one (amx.h: as exact as these chains, summed in another order; as batch-invariant).
  */
 #include <math.h>
 #include <stdint.h>
@@ -181,15 +179,6 @@ void cpu_linear_use_amx(int on) {
 #endif
 }
 
-/* The fewest rows a product takes to the tile unit (with W's parts), 0 where it cannot */
-int64_t cpu_linear_amx_rows(void) {
-#ifdef HAVE_AMX
-    return cpu_linear_amx() ? AMX_MIN_ROWS : 0;
-#else
-    return 0;
-#endif
-}
-
 /* W's parts for the tile unit: panels [count, K, 16] -> parts [count, 3, Kp / 2, 32] bf16
  * (Kp = K rounded up to 32; amx.h's split_panel) */
 void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts) {
@@ -204,13 +193,11 @@ void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *p
 }
 
 /* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);
- * on the tile unit where W's parts are given and the rows are enough */
+ * on the tile unit where W's parts are given */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                     const uint16_t *parts, const float *bias, int64_t N, float *y, Best *bests) {
 #ifdef HAVE_AMX
-    if (parts && M >= AMX_MIN_ROWS && cpu_linear_amx() &&
-        amx_product(x, M, lda, K, parts, bias, N, y, bests))
-        return;
+    if (parts && cpu_linear_amx() && amx_product(x, M, lda, K, parts, bias, N, y, bests)) return;
 #else
     (void)parts;
 #endif

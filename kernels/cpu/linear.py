@@ -18,9 +18,9 @@ thread (the other core busy with niced work) a whole step of the model's project
 37.1 / 43.0 / 54.2 / 63.6 / 81.6 ms with these (floor ~36). `linear_argmax` is the greedy rows'
 lm_head: the same product folded into each row's argmax, the [M, 49,152] logits never written.
 
-On a CPU with AMX-BF16, products of `amx_rows()` (32) rows and more run on the tile unit when the
-caller passes the weight's `split_parts` (amx.h: float32 split exactly into three bfloat16
-parts; 1.4-2x the FMA tiles on SmolLM2's shapes from 32 rows, 430-530 GFLOP/s at 512 rows).
+On a CPU with AMX-BF16 (`uses_amx()`), the products run on the tile unit when the caller passes
+the weight's `split_parts` (amx.h: float32 split exactly into three bfloat16 parts; 1.4-2x the
+FMA tiles on SmolLM2's shapes from 32 rows, 430-530 GFLOP/s at 512 rows).
 """
 
 from __future__ import annotations
@@ -50,26 +50,26 @@ def load() -> ctypes.CDLL | None:
     lib.cpu_linear_argmax.restype = None
     lib.cpu_linear_use_amx.argtypes = [ctypes.c_int]
     lib.cpu_linear_use_amx.restype = None
-    lib.cpu_linear_amx_rows.argtypes = []
-    lib.cpu_linear_amx_rows.restype = i64
+    lib.cpu_linear_amx.argtypes = []
+    lib.cpu_linear_amx.restype = ctypes.c_int
     lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr]
     lib.cpu_linear_split.restype = None
     lib.cpu_linear_use_amx(int(os.environ.get("BATCHLLM_CPU_AMX", "1") != "0"))
     return lib
 
 
-def amx_rows() -> int:
-    """The fewest rows a product takes to the tile unit (AMX-BF16, split to float32's exactness:
-    amx.h), given the weight's parts; 0 where it cannot: no kernel, a CPU without AMX-BF16, Linux
-    refusing the tiles, or BATCHLLM_CPU_AMX=0."""
+def uses_amx() -> bool:
+    """Whether products given their weight's parts run on the tile unit (AMX-BF16, split to
+    float32's exactness: amx.h); False without the kernel, on a CPU without AMX-BF16, where Linux
+    refuses the tiles, or with BATCHLLM_CPU_AMX=0."""
     lib = load()
-    return 0 if lib is None else int(lib.cpu_linear_amx_rows())
+    return lib is not None and bool(lib.cpu_linear_amx())
 
 
 def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3, Kp / 2, 32]
     """The tile unit's copy of a packed weight: each float32 value as three bfloat16 (h + m + l,
     exactly), pair-interleaved, K padded to Kp (a multiple of 32) with zeros. 1.5x the panels'
-    bytes; kept beside them (products of fewer rows stream the float32 panels)."""
+    bytes."""
     count, k, _ = panels.shape
     kp = -(-k // 32) * 32
     parts = torch.empty(count, 3, kp // 2, 2 * PANEL, dtype=torch.int16)
@@ -121,7 +121,7 @@ def linear(
     panels: torch.Tensor,  # [ceil(N / 16), K, 16] from pack_panels
     bias: torch.Tensor | None,  # [16 ceil(N / 16)] from pack_bias, or None
     n: int,
-    parts: torch.Tensor | None = None,  # split_parts(panels): the tile unit from amx_rows() rows
+    parts: torch.Tensor | None = None,  # split_parts(panels): on the tile unit where uses_amx()
 ) -> torch.Tensor:  # [M, N]
     """x W^T + b on the packed weight."""
     x = _rows(x, panels)
