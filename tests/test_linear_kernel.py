@@ -41,7 +41,8 @@ def path(request, kernel, monkeypatch):
     return request.param
 
 
-_LINEAR = cpu_linear.linear  # as the module defines it: the parts passed or not by the caller
+_LINEAR = cpu_linear.linear  # as the module defines them: the parts passed or not by the caller
+_ARGMAX = cpu_linear.linear_argmax
 
 
 def _with_parts(fn, x, panels, bias, n):
@@ -157,3 +158,45 @@ def test_the_tile_unit_runs_where_the_cpu_has_it(path):
     assert (tiles.double() - expected).abs().max() <= (fmas.double() - expected).abs().max()
     for m in (1, 2, 15, 16, 17, 31, 32, 33, 48, 64):
         assert torch.equal(_LINEAR(x[:m], panels, None, n, parts), tiles[:m])
+
+
+def dequantized(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
+    """W [n, k] as a Q4_1 checkpoint dequantizes it (gguf: float16 scale d and offset m per 32
+    values, q in 0..15, d * q + m in float32): values of at most 16 significant bits."""
+    q = torch.randint(0, 16, (n, -(-k // 32), 32), generator=gen).float()
+    d = (torch.rand(n, q.shape[1], 1, generator=gen) * 0.01).half().float()
+    m = (-8 * d - torch.rand(n, q.shape[1], 1, generator=gen) * 1e-3).half().float()
+    return (d * q + m).reshape(n, -1)[:, :k].contiguous()
+
+
+def test_a_weight_of_16_bits_streams_two_parts_with_the_same_sums(path):
+    """Where every W value fits h + m (l all zero, as in a dequantized checkpoint) split_parts
+    keeps two parts and the tile unit skips the product l would add: the same values, bit for
+    bit, as with l's zeros kept and multiplied, for every row count; a float32 weight of full
+    precision keeps its three."""
+    if path != "amx":
+        pytest.skip("the tile unit's parts")
+    gen = torch.Generator().manual_seed(11)
+    n, k = 211, 333
+    assert cpu_linear.split_parts(packed(torch.randn(n, k, generator=gen), None)[0]).shape[1] == 3
+    w = dequantized(n, k, gen)
+    b = torch.randn(n, generator=gen)
+    panels, pb = packed(w, b)
+    two = cpu_linear.split_parts(panels)
+    assert two.shape[1] == 2
+    three = torch.cat([two, torch.zeros_like(two[:, :1])], dim=1).contiguous()
+    x = torch.randn(97, k, generator=gen)
+    expected = F.linear(x.double(), w.double(), b.double())
+    for m in ROWS:
+        y = _LINEAR(x[:m], panels, pb, n, two)
+        assert torch.equal(y, _LINEAR(x[:m], panels, pb, n, three)), f"{m} rows"
+        torch.testing.assert_close(y.double(), expected[:m], rtol=1e-5, atol=1e-4)
+        ids = _ARGMAX(x[:m], panels, pb, n, two)
+        assert torch.equal(ids, y.argmax(-1)), f"{m} rows"
+
+
+def test_parts_that_do_not_match_their_panels_are_refused(path):
+    panels, _ = packed(torch.randn(40, 40), None)
+    wrong = torch.zeros(3, 4, 32, 32, dtype=torch.int16)  # 4 parts, K of 64
+    with pytest.raises(ValueError, match="parts of panels"):
+        _LINEAR(torch.randn(2, 40), panels, None, 40, wrong)

@@ -89,12 +89,18 @@ static void amx_configure(void) {
 }
 
 /* The six products, in this order for every output (both paths below): x part i times W
- * part j for (i, j) = hh, hm, hl, mh, mm, lh. */
+ * part j for (i, j) = hh, hm, hl, mh, mm, lh. Where every l of W is zero (wl = 0: its values
+ * hold 16 bits of significand, as a checkpoint dequantized from 4 or 8 bits, or from float16,
+ * does) hl adds only zeros and is skipped with its loads: the same sums, bit for bit, from 4
+ * bytes a weight instead of 6 and five products instead of six. The callers pass wl as a
+ * literal, so each form is compiled without the test in its loop. */
 
 /* out [16, 16] = bias + x rows [m, m + 16) . panel, from their parts (xs: [3][Mp][Kp],
- * ws: [3][Kp / 2][32]) */
-static inline void amx_tile(const uint16_t *xs, int64_t Mp, int64_t Kp, int64_t m,
-                            const uint16_t *ws, const float *bias_tile, float *out) {
+ * ws: [2 + wl][Kp / 2][32]) */
+static inline __attribute__((always_inline)) void amx_tile(const uint16_t *xs, int64_t Mp,
+                                                           int64_t Kp, int64_t m,
+                                                           const uint16_t *ws, int wl,
+                                                           const float *bias_tile, float *out) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2; /* bytes between x rows */
     _tile_loadd(T_Y, bias_tile, 64);
@@ -105,10 +111,10 @@ static inline void amx_tile(const uint16_t *xs, int64_t Mp, int64_t Kp, int64_t 
         _tile_loadd(T_XL, x + 2 * plane, ld);
         _tile_loadd(T_WH, w, 64);
         _tile_loadd(T_WM, w + wplane, 64);
-        _tile_loadd(T_WL, w + 2 * wplane, 64);
+        if (wl) _tile_loadd(T_WL, w + 2 * wplane, 64);
         _tile_dpbf16ps(T_Y, T_XH, T_WH);
         _tile_dpbf16ps(T_Y, T_XH, T_WM);
-        _tile_dpbf16ps(T_Y, T_XH, T_WL);
+        if (wl) _tile_dpbf16ps(T_Y, T_XH, T_WL);
         _tile_dpbf16ps(T_Y, T_XM, T_WH);
         _tile_dpbf16ps(T_Y, T_XM, T_WM);
         _tile_dpbf16ps(T_Y, T_XL, T_WH);
@@ -120,9 +126,12 @@ static inline void amx_tile(const uint16_t *xs, int64_t Mp, int64_t Kp, int64_t 
  * out[0..3] = (rows 1st, a), (1st, b), (2nd, a), (2nd, b), each [16, 16]: each part of x loaded
  * once for two panels and each part of W once for two row tiles where amx_tile loads both for
  * one (a tile load from L2 costs two tile products) */
-static inline void amx_quad(const uint16_t *xs, int64_t Mp, int64_t Kp, int64_t m,
-                            const uint16_t *wa, const uint16_t *wb, const float *bias_a,
-                            const float *bias_b, float *out) {
+static inline __attribute__((always_inline)) void amx_quad(const uint16_t *xs, int64_t Mp,
+                                                           int64_t Kp, int64_t m,
+                                                           const uint16_t *wa,
+                                                           const uint16_t *wb, int wl,
+                                                           const float *bias_a,
+                                                           const float *bias_b, float *out) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2, next = 16 * Kp; /* bytes between x rows; the next row tile */
     _tile_loadd(0, bias_a, 64);
@@ -140,7 +149,8 @@ static inline void amx_quad(const uint16_t *xs, int64_t Mp, int64_t Kp, int64_t 
         const uint16_t *x = xs + m * Kp + k;
         _tile_loadd(4, x, ld);
         _tile_loadd(5, x + next, ld);
-        PRODUCTS(0) PRODUCTS(1) PRODUCTS(2)
+        PRODUCTS(0) PRODUCTS(1)
+        if (wl) { PRODUCTS(2) }
         _tile_loadd(4, x + plane, ld);
         _tile_loadd(5, x + plane + next, ld);
         PRODUCTS(0) PRODUCTS(1)
@@ -181,18 +191,18 @@ static inline void fill_bias(float *tile, const float *bias) {
         for (int64_t j = 0; j < NR; j++) tile[r * NR + j] = bias ? bias[j] : 0.f;
 }
 
-/* The product on the tile unit, W's parts split once at load (cpu_linear_split): x split once a
- * call; the panels taken two at a time by the threads, a block of rows at a time (rows whose
+/* The product on the tile unit, W's parts split once at load (cpu_linear_split; wl: whether
+ * they hold l, [count][2 + wl][Kp / 2][32]): x split once a call; the panels taken two at a time by the threads, a block of rows at a time (rows whose
  * parts fit in L2), amx_quad over two row tiles at a time. Returns 0 where x's parts do not fit
  * in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
-                       const float *bias, int64_t N, float *y, Best *bests) {
+                       int wl, const float *bias, int64_t N, float *y, Best *bests) {
     static __thread void *buffer;
     static __thread size_t size;
     const int64_t count = (N + NR - 1) / NR, pairs = (count + 1) / 2;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-    const int64_t w_parts = 3 * Kp * NR; /* bf16 values of a panel's parts */
+    const int64_t w_parts = (2 + wl) * Kp * NR; /* bf16 values of a panel's parts */
     uint16_t *xs = thread_buffer(&buffer, &size, 3 * Mp * Kp * sizeof(uint16_t));
     if (!xs) return 0;
     split_rows(x, M, lda, K, Mp, Kp, xs);
@@ -225,7 +235,10 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
                     if (pb >= 0 && m + AMX_ROWS < m1) { /* two row tiles, two panels */
                         const int64_t next = m1 - m - AMX_ROWS < AMX_ROWS ? m1 - m - AMX_ROWS
                                                                           : AMX_ROWS;
-                        amx_quad(xs, Mp, Kp, m, wa, wb, bias_a, bias_b, out);
+                        if (wl)
+                            amx_quad(xs, Mp, Kp, m, wa, wb, 1, bias_a, bias_b, out);
+                        else
+                            amx_quad(xs, Mp, Kp, m, wa, wb, 0, bias_a, bias_b, out);
                         emit(out, AMX_ROWS, cols_a, m, pa, y, N, best);
                         emit(out + 256, AMX_ROWS, cols_b, m, pb, y, N, best);
                         emit(out + 512, next, cols_a, m + AMX_ROWS, pa, y, N, best);
@@ -233,10 +246,16 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
                         m += 2 * AMX_ROWS;
                         continue;
                     }
-                    amx_tile(xs, Mp, Kp, m, wa, bias_a, out);
+                    if (wl)
+                        amx_tile(xs, Mp, Kp, m, wa, 1, bias_a, out);
+                    else
+                        amx_tile(xs, Mp, Kp, m, wa, 0, bias_a, out);
                     emit(out, rows, cols_a, m, pa, y, N, best);
                     if (pb >= 0) {
-                        amx_tile(xs, Mp, Kp, m, wb, bias_b, out);
+                        if (wl)
+                            amx_tile(xs, Mp, Kp, m, wb, 1, bias_b, out);
+                        else
+                            amx_tile(xs, Mp, Kp, m, wb, 0, bias_b, out);
                         emit(out, rows, cols_b, m, pb, y, N, best);
                     }
                     m += AMX_ROWS;

@@ -180,7 +180,8 @@ void cpu_linear_use_amx(int on) {
 }
 
 /* W's parts for the tile unit: panels [count, K, 16] -> parts [count, 3, Kp / 2, 32] bf16
- * (Kp = K rounded up to 32; amx.h's split_panel) */
+ * (Kp = K rounded up to 32; amx.h's split_panel). The caller may drop l where it is all zero
+ * (then [count, 2, Kp / 2, 32], w_parts = 2 below). */
 void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts) {
 #ifdef HAVE_AMX
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
@@ -195,11 +196,14 @@ void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *p
 /* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);
  * on the tile unit where W's parts are given */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                    const uint16_t *parts, const float *bias, int64_t N, float *y, Best *bests) {
+                    const uint16_t *parts, int64_t w_parts, const float *bias, int64_t N,
+                    float *y, Best *bests) {
 #ifdef HAVE_AMX
-    if (parts && cpu_linear_amx() && amx_product(x, M, lda, K, parts, bias, N, y, bests)) return;
+    if (parts && cpu_linear_amx() &&
+        amx_product(x, M, lda, K, parts, w_parts == 3, bias, N, y, bests))
+        return;
 #else
-    (void)parts;
+    (void)parts, (void)w_parts;
 #endif
     const int64_t count = (N + NR - 1) / NR;
     int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
@@ -221,16 +225,18 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
 }
 
 /* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), their parts from
- * cpu_linear_split or NULL, bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+ * cpu_linear_split or NULL (w_parts of them: 3, or 2 with l dropped), bias [16 ceil(N / 16)] or
+ * NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                const uint16_t *parts, const float *bias, int64_t N, float *y) {
-    product(x, M, lda, K, panels, parts, bias, N, y, 0);
+                const uint16_t *parts, int64_t w_parts, const float *bias, int64_t N, float *y) {
+    product(x, M, lda, K, panels, parts, w_parts, bias, N, y, 0);
 }
 
 /* ids [M] = argmax over j of (x W^T + b)[r, j], y never written: the first maximum, NaN
  * highest. Same arguments as cpu_linear otherwise. */
 void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                       const uint16_t *parts, const float *bias, int64_t N, int64_t *ids) {
+                       const uint16_t *parts, int64_t w_parts, const float *bias, int64_t N,
+                       int64_t *ids) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -240,7 +246,7 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     Best *bests = malloc(sizeof(Best) * threads);
     for (int t = 0; t < threads; t++) bests[t] = (Best){val + t * M, at + t * M};
     for (int64_t i = 0; i < threads * M; i++) at[i] = -1;
-    product(x, M, lda, K, panels, parts, bias, N, 0, bests);
+    product(x, M, lda, K, panels, parts, w_parts, bias, N, 0, bests);
     for (int64_t r = 0; r < M; r++) {
         float v = val[r];
         int64_t id = at[r];

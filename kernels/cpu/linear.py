@@ -44,9 +44,9 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
     lib.cpu_linear.restype = None
-    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, ptr, i64, ptr]
+    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
     lib.cpu_linear_argmax.restype = None
     lib.cpu_linear_use_amx.argtypes = [ctypes.c_int]
     lib.cpu_linear_use_amx.restype = None
@@ -66,14 +66,19 @@ def uses_amx() -> bool:
     return lib is not None and bool(lib.cpu_linear_amx())
 
 
-def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3, Kp / 2, 32]
+def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3 or 2, Kp / 2, 32]
     """The tile unit's copy of a packed weight: each float32 value as three bfloat16 (h + m + l,
-    exactly), pair-interleaved, K padded to Kp (a multiple of 32) with zeros. 1.5x the panels'
-    bytes."""
+    exactly), pair-interleaved, K padded to Kp (a multiple of 32) with zeros; 1.5x the panels'
+    bytes. Where every l is zero (values of at most 16 significant bits: a checkpoint
+    dequantized from 4 or 8 bits, as SmolLM2's Q4_1 layers, or from float16) only h and m are
+    kept, the panels' bytes, and the kernel skips the product that l would add: the same sums,
+    bit for bit."""
     count, k, _ = panels.shape
     kp = -(-k // 32) * 32
     parts = torch.empty(count, 3, kp // 2, 2 * PANEL, dtype=torch.int16)
     load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr())
+    if not (parts[:, 2] & 0x7FFF).any():  # l only +-0: the product hl adds zeros
+        parts = parts[:, :2].contiguous()
     return parts
 
 
@@ -128,7 +133,7 @@ def linear(
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          _ptr(parts), _ptr(bias), n, y.data_ptr())
+                          _ptr(parts), _count(parts, panels), _ptr(bias), n, y.data_ptr())
     return y
 
 
@@ -146,9 +151,23 @@ def linear_argmax(
     ids = torch.empty(x.shape[0], dtype=torch.int64)
     if x.shape[0]:
         load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
-                                 panels.data_ptr(), _ptr(parts), _ptr(bias), n, ids.data_ptr())
+                                 panels.data_ptr(), _ptr(parts), _count(parts, panels),
+                                 _ptr(bias), n, ids.data_ptr())
     return ids
 
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _count(parts: torch.Tensor | None, panels: torch.Tensor) -> int:
+    """How many parts of each weight split_parts kept (3, or 2 without l); 0 without parts."""
+    if parts is None:
+        return 0
+    count, k, _ = panels.shape
+    if (parts.dtype != torch.int16 or not parts.is_contiguous() or parts.dim() != 4
+            or parts.shape[1] not in (2, 3)
+            or (parts.shape[0], parts.shape[2:]) != (count, (-(-k // 32) * 16, 2 * PANEL))):
+        raise ValueError(f"cpu_linear: parts of panels {tuple(panels.shape)} expected from "
+                         f"split_parts, got {parts.dtype} {tuple(parts.shape)}")
+    return parts.shape[1]
