@@ -49,17 +49,6 @@
 #define AMX_K 32    /* k of a tile step: 32 bf16 = 64 bytes */
 #define AMX_L2 (1 << 20) /* bytes of x's parts a block of rows keeps in L2 (best of 0.5-4 MB) */
 
-/* Tiles (literal numbers: the intrinsics paste them into the instruction). amx_tile: the y
- * tile, x's parts h, m, l, W's parts h, m, l. amx_quad: y tiles 0-3 (rows a, b x panels a, b),
- * x's part of rows a, b in 4, 5, W's part of panels a, b in 6, 7. */
-#define T_Y 0
-#define T_XH 1
-#define T_XM 2
-#define T_XL 3
-#define T_WH 4
-#define T_WM 5
-#define T_WL 6
-
 typedef struct {
     uint8_t palette, start_row, reserved[14];
     uint16_t colsb[16];
@@ -88,81 +77,63 @@ static void amx_configure(void) {
     _tile_loadconfig(&c);
 }
 
-/* The six products, in this order for every output (both paths below): x part i times W
- * part j for (i, j) = hh, hm, hl, mh, mm, lh. Where every l of W is zero (wl = 0: its values
- * hold 16 bits of significand, as a checkpoint dequantized from 4 or 8 bits, or from float16,
- * does) hl adds only zeros and is skipped with its loads: the same sums, bit for bit, from 4
- * bytes a weight instead of 6 and five products instead of six. The callers pass wl as a
- * literal, so each form is compiled without the test in its loop. */
+/* The products, in this order for every output: x part i times W part j for (i, j) = hh, mh,
+ * lh, hm, mm, hl (W's part h with x's three, then m with x's h and m, then l with x's h). Where
+ * every l of W is zero (wl = 0: its values hold 16 bits of significand, as a checkpoint
+ * dequantized from 4 or 8 bits, or from float16, does) hl, the last, adds only zeros and is
+ * skipped with its load: the same sums, bit for bit, from 4 bytes a weight instead of 6 and five
+ * products instead of six. The caller passes wl as a literal, so each form is compiled without
+ * the test in its loop. Tile numbers are literals too (the intrinsics paste them into the
+ * instruction). */
 
-/* out [16, 16] = bias + x rows [m, m + 16) . panel, from their parts (xs: [3][Mp][Kp],
- * ws: [2 + wl][Kp / 2][32]) */
-static inline __attribute__((always_inline)) void amx_tile(const uint16_t *xs, int64_t Mp,
-                                                           int64_t Kp, int64_t m,
-                                                           const uint16_t *ws, int wl,
-                                                           const float *bias_tile, float *out) {
+#define AMX_GROUP 4 /* panels a call of amx_group takes: y tiles 0-3 */
+
+/* y tiles [16, 16] of x rows [m, m + 16) against panels t < np <= 4 of a group, out[t] = bias[t]
+ * + x . panel t, from their parts (xs: [3][Mp][Kp]; panel t's at w + t * w_panel,
+ * [2 + wl][Kp / 2][32]): per step of k, x's three parts loaded once into tiles 4-6 for the
+ * group's four panels, each panel's parts one after another through tile 7. 11 tile loads for 20
+ * products (amx_quad's 2 x 2 tiles took 16; a tile load from L2 costs about two products). */
+static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, int64_t Mp,
+                                                            int64_t Kp, int64_t m,
+                                                            const uint16_t *w, int64_t w_panel,
+                                                            int np, int wl, const float *bias,
+                                                            float *out) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2; /* bytes between x rows */
-    _tile_loadd(T_Y, bias_tile, 64);
-    for (int64_t k = 0; k < Kp; k += AMX_K) {
-        const uint16_t *x = xs + m * Kp + k, *w = ws + k * 16;
-        _tile_loadd(T_XH, x, ld);
-        _tile_loadd(T_XM, x + plane, ld);
-        _tile_loadd(T_XL, x + 2 * plane, ld);
-        _tile_loadd(T_WH, w, 64);
-        _tile_loadd(T_WM, w + wplane, 64);
-        if (wl) _tile_loadd(T_WL, w + 2 * wplane, 64);
-        _tile_dpbf16ps(T_Y, T_XH, T_WH);
-        _tile_dpbf16ps(T_Y, T_XH, T_WM);
-        if (wl) _tile_dpbf16ps(T_Y, T_XH, T_WL);
-        _tile_dpbf16ps(T_Y, T_XM, T_WH);
-        _tile_dpbf16ps(T_Y, T_XM, T_WM);
-        _tile_dpbf16ps(T_Y, T_XL, T_WH);
-    }
-    _tile_stored(T_Y, out, 64);
-}
-
-/* four y tiles at once: rows [m, m + 32) x panels a, b (their parts wa, wb), into
- * out[0..3] = (rows 1st, a), (1st, b), (2nd, a), (2nd, b), each [16, 16]: each part of x loaded
- * once for two panels and each part of W once for two row tiles where amx_tile loads both for
- * one (a tile load from L2 costs two tile products) */
-static inline __attribute__((always_inline)) void amx_quad(const uint16_t *xs, int64_t Mp,
-                                                           int64_t Kp, int64_t m,
-                                                           const uint16_t *wa,
-                                                           const uint16_t *wb, int wl,
-                                                           const float *bias_a,
-                                                           const float *bias_b, float *out) {
-    const int64_t plane = Mp * Kp, wplane = Kp * 16;
-    const int64_t ld = Kp * 2, next = 16 * Kp; /* bytes between x rows; the next row tile */
-    _tile_loadd(0, bias_a, 64);
-    _tile_loadd(1, bias_b, 64);
-    _tile_loadd(2, bias_a, 64);
-    _tile_loadd(3, bias_b, 64);
-#define PRODUCTS(j)                                    \
-    _tile_loadd(6, wa + k * 16 + (j) * wplane, 64);    \
-    _tile_loadd(7, wb + k * 16 + (j) * wplane, 64);    \
-    _tile_dpbf16ps(0, 4, 6);                           \
-    _tile_dpbf16ps(1, 4, 7);                           \
-    _tile_dpbf16ps(2, 5, 6);                           \
-    _tile_dpbf16ps(3, 5, 7);
+    _tile_loadd(0, bias, 64);
+    if (np > 1) _tile_loadd(1, bias + 256, 64);
+    if (np > 2) _tile_loadd(2, bias + 512, 64);
+    if (np > 3) _tile_loadd(3, bias + 768, 64);
     for (int64_t k = 0; k < Kp; k += AMX_K) {
         const uint16_t *x = xs + m * Kp + k;
         _tile_loadd(4, x, ld);
-        _tile_loadd(5, x + next, ld);
-        PRODUCTS(0) PRODUCTS(1)
-        if (wl) { PRODUCTS(2) }
-        _tile_loadd(4, x + plane, ld);
-        _tile_loadd(5, x + plane + next, ld);
-        PRODUCTS(0) PRODUCTS(1)
-        _tile_loadd(4, x + 2 * plane, ld);
-        _tile_loadd(5, x + 2 * plane + next, ld);
-        PRODUCTS(0)
+        _tile_loadd(5, x + plane, ld);
+        _tile_loadd(6, x + 2 * plane, ld);
+#define PANEL_PRODUCTS(t)                                           \
+        if (np > (t)) {                                             \
+            const uint16_t *wt = w + (t) * w_panel + k * 16;        \
+            _tile_loadd(7, wt, 64);                                 \
+            _tile_dpbf16ps(t, 4, 7);                                \
+            _tile_dpbf16ps(t, 5, 7);                                \
+            _tile_dpbf16ps(t, 6, 7);                                \
+            _tile_loadd(7, wt + wplane, 64);                        \
+            _tile_dpbf16ps(t, 4, 7);                                \
+            _tile_dpbf16ps(t, 5, 7);                                \
+            if (wl) {                                               \
+                _tile_loadd(7, wt + 2 * wplane, 64);                \
+                _tile_dpbf16ps(t, 4, 7);                            \
+            }                                                       \
+        }
+        PANEL_PRODUCTS(0)
+        PANEL_PRODUCTS(1)
+        PANEL_PRODUCTS(2)
+        PANEL_PRODUCTS(3)
+#undef PANEL_PRODUCTS
     }
-#undef PRODUCTS
     _tile_stored(0, out, 64);
-    _tile_stored(1, out + 256, 64);
-    _tile_stored(2, out + 512, 64);
-    _tile_stored(3, out + 768, 64);
+    if (np > 1) _tile_stored(1, out + 256, 64);
+    if (np > 2) _tile_stored(2, out + 512, 64);
+    if (np > 3) _tile_stored(3, out + 768, 64);
 }
 
 /* A grow-only buffer of the calling thread's (x's parts), 64-byte aligned; NULL when memory is
@@ -192,73 +163,53 @@ static inline void fill_bias(float *tile, const float *bias) {
 }
 
 /* The product on the tile unit, W's parts split once at load (cpu_linear_split; wl: whether
- * they hold l, [count][2 + wl][Kp / 2][32]): x split once a call; the panels taken two at a time by the threads, a block of rows at a time (rows whose
- * parts fit in L2), amx_quad over two row tiles at a time. Returns 0 where x's parts do not fit
- * in memory (then the FMA tiles run). */
+ * they hold l, [count][2 + wl][Kp / 2][32]): x split once a call; each thread an even share of
+ * the panels, four at a time, a block of rows at a time (rows whose parts fit in L2), one row
+ * tile after another against the four (their parts from L2 after the first). Returns 0 where x's
+ * parts do not fit in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
                        int wl, const float *bias, int64_t N, float *y, Best *bests) {
     static __thread void *buffer;
     static __thread size_t size;
-    const int64_t count = (N + NR - 1) / NR, pairs = (count + 1) / 2;
+    const int64_t count = (N + NR - 1) / NR;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
     const int64_t w_parts = (2 + wl) * Kp * NR; /* bf16 values of a panel's parts */
     uint16_t *xs = thread_buffer(&buffer, &size, 3 * Mp * Kp * sizeof(uint16_t));
     if (!xs) return 0;
     split_rows(x, M, lda, K, Mp, Kp, xs);
-    int64_t block = AMX_L2 / (3 * Kp * 2) / (2 * AMX_ROWS) * (2 * AMX_ROWS);
-    if (block < 2 * AMX_ROWS) block = 2 * AMX_ROWS;
+    int64_t block = AMX_L2 / (3 * Kp * 2) / AMX_ROWS * AMX_ROWS;
+    if (block < AMX_ROWS) block = AMX_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
-        int thread = 0;
+        int thread = 0, threads = 1;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
+        threads = omp_get_num_threads();
 #endif
-        float bias_a[AMX_ROWS * NR] __attribute__((aligned(64)));
-        float bias_b[AMX_ROWS * NR] __attribute__((aligned(64)));
-        float out[4 * AMX_ROWS * NR] __attribute__((aligned(64)));
+        /* this thread's panels: an even share (36 panels in groups of 4 would split 5 : 4) */
+        const int64_t first = count * thread / threads, last = count * (thread + 1) / threads;
+        float biases[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
+        float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         Best *best = bests ? bests + thread : 0;
         amx_configure();
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
-#pragma omp for schedule(static) nowait
-            for (int64_t q = 0; q < pairs; q++) {
-                const int64_t pa = 2 * q, pb = pa + 1 < count ? pa + 1 : -1;
-                const int64_t cols_a = N - pa * NR < NR ? N - pa * NR : NR;
-                const int64_t cols_b = pb < 0 ? 0 : N - pb * NR < NR ? N - pb * NR : NR;
-                const uint16_t *wa = parts + pa * w_parts;
-                const uint16_t *wb = parts + (pb < 0 ? pa : pb) * w_parts;
-                fill_bias(bias_a, bias ? bias + pa * NR : 0);
-                if (pb >= 0) fill_bias(bias_b, bias ? bias + pb * NR : 0);
-                for (int64_t m = m0; m < m1;) {
+            for (int64_t p0 = first; p0 < last; p0 += AMX_GROUP) {
+                const int np = last - p0 < AMX_GROUP ? last - p0 : AMX_GROUP;
+                const uint16_t *w = parts + p0 * w_parts;
+                for (int t = 0; t < np; t++)
+                    fill_bias(biases + t * 256, bias ? bias + (p0 + t) * NR : 0);
+                for (int64_t m = m0; m < m1; m += AMX_ROWS) {
                     const int64_t rows = m1 - m < AMX_ROWS ? m1 - m : AMX_ROWS;
-                    if (pb >= 0 && m + AMX_ROWS < m1) { /* two row tiles, two panels */
-                        const int64_t next = m1 - m - AMX_ROWS < AMX_ROWS ? m1 - m - AMX_ROWS
-                                                                          : AMX_ROWS;
-                        if (wl)
-                            amx_quad(xs, Mp, Kp, m, wa, wb, 1, bias_a, bias_b, out);
-                        else
-                            amx_quad(xs, Mp, Kp, m, wa, wb, 0, bias_a, bias_b, out);
-                        emit(out, AMX_ROWS, cols_a, m, pa, y, N, best);
-                        emit(out + 256, AMX_ROWS, cols_b, m, pb, y, N, best);
-                        emit(out + 512, next, cols_a, m + AMX_ROWS, pa, y, N, best);
-                        emit(out + 768, next, cols_b, m + AMX_ROWS, pb, y, N, best);
-                        m += 2 * AMX_ROWS;
-                        continue;
-                    }
                     if (wl)
-                        amx_tile(xs, Mp, Kp, m, wa, 1, bias_a, out);
+                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 1, biases, out);
                     else
-                        amx_tile(xs, Mp, Kp, m, wa, 0, bias_a, out);
-                    emit(out, rows, cols_a, m, pa, y, N, best);
-                    if (pb >= 0) {
-                        if (wl)
-                            amx_tile(xs, Mp, Kp, m, wb, 1, bias_b, out);
-                        else
-                            amx_tile(xs, Mp, Kp, m, wb, 0, bias_b, out);
-                        emit(out, rows, cols_b, m, pb, y, N, best);
+                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 0, biases, out);
+                    for (int t = 0; t < np; t++) {
+                        const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
+                        emit(out + t * 256, rows, cols, m, p, y, N, best);
                     }
-                    m += AMX_ROWS;
                 }
             }
         }
