@@ -7,6 +7,7 @@ contiguous originals with an explicit mask (float64); lse is a direct logsumexp 
 
 from __future__ import annotations
 
+import functools
 import importlib
 import sys
 
@@ -15,6 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu import build
 from kernels.cpu import decode as cpu_decode
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
@@ -280,6 +282,34 @@ def test_c_prefix_of_one_group_of_decodes(decodes, threads):
     finally:
         torch.set_num_threads(saved)
     assert_full_attention(o, lse, q, ks, vs, reqs, d**-0.5)
+
+
+@pytest.mark.parametrize("d", [64, 80])
+def test_c_prefill_builds_agree(d, monkeypatch):
+    """The prefill kernel as this machine builds it (with AVX-512: 32-key score tiles, 64-wide
+    value tiles, then 16-wide ones for the rest of d or of a block's keys) and built without
+    AVX-512 (8-wide tiles): every score and output the same chain of FMAs, so the same bits;
+    both equal full attention (chunks over several key blocks, prefixes of 1-200 keys)."""
+    if cpu_prefill.load() is None or cpu_decode.load() is None:
+        pytest.skip("the C kernels could not be built here")
+    gen = torch.Generator().manual_seed(d)
+    ks, vs, reqs, k_cache, v_cache, table, prefix_pages = cascade_case(
+        16, (200, 37), d, gen, own=((3, 70), (1, 9, 40)), qlen=((1, 70), (1, 1, 17)))
+    q = torch.randn(sum(m for _, _, m in reqs), HKV * 3, d, generator=gen)
+    cu_q, ctx, start, cu_g, lens = cascade_args(reqs, [200, 37])
+
+    def run():
+        o, lse = c_kernels(False, True)(q, k_cache, v_cache, table, cu_q, ctx, start, d**-0.5)
+        cpu_prefill.prefix_attention_into(q, k_cache, v_cache, prefix_pages, lens, cu_g,
+                                          d**-0.5, o, lse)
+        return o, lse
+
+    native = run()
+    assert_full_attention(*native, q, ks, vs, reqs, d**-0.5)
+    monkeypatch.setattr(build, "_FLAGS", (*build._FLAGS, "-mno-avx512f"))
+    monkeypatch.setattr(cpu_prefill, "load", functools.cache(cpu_prefill.load.__wrapped__))
+    narrow = run()
+    assert torch.equal(native[0], narrow[0]) and torch.equal(native[1], narrow[1])
 
 
 def merge_case(t, h, d, dtype, gen):

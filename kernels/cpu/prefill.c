@@ -6,8 +6,10 @@
  * context_len - n .. context_len - 1) attends causally to its keys kv_start .. its own position.
  * Work item = (sequence, KV head, block of <= QB queries): its G query heads x its queries form
  * the rows of a small matrix; keys are taken KB at a time out of the pages (keys transposed,
- * values as rows, into buffers of the thread), scores by a 6x16 register tile, online softmax
- * with the 8-wide exp, values by a 6x16 tile. Key blocks past the last query's position are skipped
+ * values as rows, into buffers of the thread), scores by a register tile of 6 rows x 32 keys
+ * with AVX-512 (6 x 16 with AVX2), online softmax with the 8-wide exp, values by a tile of 6
+ * rows x 64 of d (6 x 16). The wider tiles (12 and 24 accumulators where the 16-wide AVX-512
+ * ones would hold only 6) took the contract job's prefix attention from 104 to ~120 GFLOP/s. Key blocks past the last query's position are skipped
  * (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and
  * lse = -inf for a query that sees no key). A sliding window skips the key blocks before a block's
  * first query's window and masks each row's earlier keys; soft-capping caps the scores before
@@ -32,16 +34,38 @@
 #define QB_MIN 4 /* queries per work item, at least, where a lone sequence is cut finer */
 #define KB 64 /* keys per block, a multiple of 16 */
 #define RT 6   /* tile rows; row counts are padded to a multiple of it */
+#ifdef __AVX512F__
+#define WIDE 2 /* 32 keys a score tile, 64 of d a value tile (12 and 24 accumulators) */
+#else
+#define WIDE 1
+#endif
 
 typedef struct {
     float *q, *o, *s, *kt, *v, *m, *l;
 } Buffers;
 
-/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0+15 (both tiles always inlined:
- * with attend_block's two copies in run(), the compiler would otherwise call them per tile) */
+/* s[r][t] = q[r] . kt[:, t] for rows r0 .. r0+5, keys t0 .. t0 + 16 nv - 1 (nv = 1 or 2 with
+ * AVX-512, 1 otherwise; both tiles always inlined: with attend_block's two copies in run(), the
+ * compiler would otherwise call them per tile). Each score is the same chain of FMAs over d
+ * whatever the path, so the paths agree bit for bit. */
 static inline __attribute__((always_inline)) void score_tile(
-    const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0, float *s) {
-#ifdef __AVX2__
+    const float *q, const float *kt, int64_t D, int64_t r0, int64_t t0, float *s, const int nv) {
+#ifdef __AVX512F__
+    __m512 c[RT][2];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < nv; j++) c[i][j] = _mm512_setzero_ps();
+    for (int64_t d = 0; d < D; d++) {
+        __m512 k[2];
+        for (int j = 0; j < nv; j++) k[j] = _mm512_loadu_ps(kt + d * KB + t0 + 16 * j);
+        for (int i = 0; i < RT; i++) {
+            const __m512 qv = _mm512_set1_ps(q[(r0 + i) * D + d]);
+            for (int j = 0; j < nv; j++) c[i][j] = _mm512_fmadd_ps(qv, k[j], c[i][j]);
+        }
+    }
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(s + (r0 + i) * KB + t0 + 16 * j, c[i][j]);
+#elif defined(__AVX2__)
+    (void)nv;
     __m256 c[RT][2];
     for (int i = 0; i < RT; i++) c[i][0] = c[i][1] = _mm256_setzero_ps();
     for (int64_t d = 0; d < D; d++) {
@@ -58,6 +82,7 @@ static inline __attribute__((always_inline)) void score_tile(
         _mm256_storeu_ps(s + (r0 + i) * KB + t0 + 8, c[i][1]);
     }
 #else
+    (void)nv;
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < 16; j++) {
             float dot = 0.f;
@@ -67,10 +92,27 @@ static inline __attribute__((always_inline)) void score_tile(
 #endif
 }
 
-/* o[r][d0 .. d0+15] += sum_t p[r][t] v[t][d0 .. d0+15] for rows r0 .. r0+5, t < nk */
+/* o[r][d0 .. d0 + 16 nv - 1] += sum_t p[r][t] v[t][same] for rows r0 .. r0+5, t < nk (nv = 1,
+ * 2 or 4 with AVX-512, 1 otherwise) */
 static inline __attribute__((always_inline)) void value_tile(
-    const float *p, const float *v, int64_t D, int64_t nk, int64_t r0, int64_t d0, float *o) {
-#ifdef __AVX2__
+    const float *p, const float *v, int64_t D, int64_t nk, int64_t r0, int64_t d0, float *o,
+    const int nv) {
+#ifdef __AVX512F__
+    __m512 a[RT][4];
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < nv; j++) a[i][j] = _mm512_loadu_ps(o + (r0 + i) * D + d0 + 16 * j);
+    for (int64_t t = 0; t < nk; t++) {
+        __m512 vv[4];
+        for (int j = 0; j < nv; j++) vv[j] = _mm512_loadu_ps(v + t * D + d0 + 16 * j);
+        for (int i = 0; i < RT; i++) {
+            const __m512 pv = _mm512_set1_ps(p[(r0 + i) * KB + t]);
+            for (int j = 0; j < nv; j++) a[i][j] = _mm512_fmadd_ps(pv, vv[j], a[i][j]);
+        }
+    }
+    for (int i = 0; i < RT; i++)
+        for (int j = 0; j < nv; j++) _mm512_storeu_ps(o + (r0 + i) * D + d0 + 16 * j, a[i][j]);
+#elif defined(__AVX2__)
+    (void)nv;
     __m256 a[RT][2];
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < 2; j++) a[i][j] = _mm256_loadu_ps(o + (r0 + i) * D + d0 + 8 * j);
@@ -85,6 +127,7 @@ static inline __attribute__((always_inline)) void value_tile(
     for (int i = 0; i < RT; i++)
         for (int j = 0; j < 2; j++) _mm256_storeu_ps(o + (r0 + i) * D + d0 + 8 * j, a[i][j]);
 #else
+    (void)nv;
     for (int i = 0; i < RT; i++)
         for (int64_t d = d0; d < d0 + 16; d++) {
             float acc = o[(r0 + i) * D + d];
@@ -124,8 +167,12 @@ static inline __attribute__((always_inline)) void attend_block(
         key_lo = first_pos + qi0 - window + 1;
     for (int64_t r = 0; r < Rp; r++) {
         const int64_t qi = r / G, head = h * G + r % G, row = first_row + qi0 + qi;
-        for (int64_t d = 0; d < D; d++)
-            w->q[r * D + d] = r < R ? c->q[row * c->q_stride + head * D + d] * c->scale : 0.f;
+        const float *qr = c->q + row * c->q_stride + head * D, scale = c->scale;
+        float *wq = w->q + r * D;
+        if (r < R) /* (one test per row: per value, GCC gathered the row) */
+            for (int64_t d = 0; d < D; d++) wq[d] = qr[d] * scale;
+        else
+            for (int64_t d = 0; d < D; d++) wq[d] = 0.f;
         const float prior = r < R && c->merge ? c->lse[row * Hq + head] : -INFINITY;
         const int seen = prior > -INFINITY; /* the normalized part: m = lse, l = 1, o */
         const float *prior_o = c->o + (row * Hq + head) * D;
@@ -151,7 +198,12 @@ static inline __attribute__((always_inline)) void attend_block(
             }
         }
         for (int64_t r0 = 0; r0 < Rp; r0 += RT)
-            for (int64_t t0 = 0; t0 < nkp; t0 += 16) score_tile(w->q, w->kt, D, r0, t0, w->s);
+            for (int64_t t0 = 0; t0 < nkp; t0 += 16 * WIDE) {
+                if (WIDE == 2 && t0 + 32 <= nkp)
+                    score_tile(w->q, w->kt, D, r0, t0, w->s, 2);
+                else
+                    for (int64_t t = t0; t < nkp; t += 16) score_tile(w->q, w->kt, D, r0, t, w->s, 1);
+            }
         for (int64_t r = 0; r < Rp; r++) { /* causal limit (and window), online softmax */
             float *s = w->s + r * KB;
             int64_t valid = r < R ? (c->causal ? first_pos + qi0 + r / G - k0 + 1 : nk) : 0;
@@ -167,8 +219,12 @@ static inline __attribute__((always_inline)) void attend_block(
                 softmax_step(s + from, valid - from, &w->m[r], &w->l[r], w->o + r * D, D);
             for (int64_t t = valid; t < nkp; t++) s[t] = 0.f;
         }
-        for (int64_t r0 = 0; r0 < Rp; r0 += RT)
-            for (int64_t d0 = 0; d0 < D; d0 += 16) value_tile(w->s, w->v, D, nkp, r0, d0, w->o);
+        for (int64_t r0 = 0; r0 < Rp; r0 += RT) {
+            int64_t d0 = 0;
+            if (WIDE == 2)
+                for (; d0 + 64 <= D; d0 += 64) value_tile(w->s, w->v, D, nkp, r0, d0, w->o, 4);
+            for (; d0 < D; d0 += 16) value_tile(w->s, w->v, D, nkp, r0, d0, w->o, 1);
+        }
     }
     for (int64_t r = 0; r < R; r++) {
         const int64_t head = h * G + r % G, row = first_row + qi0 + r / G;
