@@ -19,8 +19,9 @@ thread (the other core busy with niced work) a whole step of the model's project
 lm_head: the same product folded into each row's argmax, the [M, 49,152] logits never written.
 
 On a CPU with AMX-BF16 (`uses_amx()`), the products run on the tile unit when the caller passes
-the weight's `split_parts` (amx.h: float32 split exactly into three bfloat16 parts; 1.4-2x the
-FMA tiles on SmolLM2's shapes from 32 rows, 430-530 GFLOP/s at 512 rows).
+the weight's `split_parts` (amx.h: float32 split exactly into three bfloat16 parts, two where the
+third is zero throughout, as in a dequantized checkpoint; 1.4-2x the FMA tiles on SmolLM2's
+shapes from 32 rows, 460-500 GFLOP/s at 512 rows and more).
 """
 
 from __future__ import annotations
