@@ -9,11 +9,14 @@
  * values as rows, into buffers of the thread), scores by a register tile of 6 rows x 32 keys
  * with AVX-512 (6 x 16 with AVX2), online softmax with the 8-wide exp, values by a tile of 6
  * rows x 64 of d (6 x 16). The wider tiles (12 and 24 accumulators where the 16-wide AVX-512
- * ones would hold only 6) took the contract job's prefix attention from 104 to ~120 GFLOP/s. Key blocks past the last query's position are skipped
- * (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0 and
- * lse = -inf for a query that sees no key). A sliding window skips the key blocks before a block's
- * first query's window and masks each row's earlier keys; soft-capping caps the scores before
- * the softmax; both only in their own inlined copy of the work item (attend_block's PLAIN).
+ * ones would hold only 6) took the contract job's prefix attention from 104 to ~120 GFLOP/s.
+ * (The tile unit, with q, k, p and v split per block as the projections' weights are, measured
+ * slower: 1.5 -> 2.0 s on the contract job.) Key blocks past the last query's position are
+ * skipped (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0
+ * and lse = -inf for a query that sees no key). A sliding window skips the key blocks before a
+ * block's first query's window and masks each row's earlier keys; soft-capping caps the scores
+ * before the softmax; both only in their own inlined copy of the work item (attend_block's
+ * PLAIN).
  *
  * Shapes (float32, int32 indices, contiguous but q's rows, q_stride floats apart): q, o
  * [T, Hq, D]; lse [T, Hq];
@@ -202,7 +205,8 @@ static inline __attribute__((always_inline)) void attend_block(
                 if (WIDE == 2 && t0 + 32 <= nkp)
                     score_tile(w->q, w->kt, D, r0, t0, w->s, 2);
                 else
-                    for (int64_t t = t0; t < nkp; t += 16) score_tile(w->q, w->kt, D, r0, t, w->s, 1);
+                    for (int64_t t = t0; t < nkp; t += 16)
+                        score_tile(w->q, w->kt, D, r0, t, w->s, 1);
             }
         for (int64_t r = 0; r < Rp; r++) { /* causal limit (and window), online softmax */
             float *s = w->s + r * KB;
