@@ -7,6 +7,7 @@ log file that holds its traceback (`<output>.error.log`), and `--debug` prints t
 
 from __future__ import annotations
 
+import os
 import sys
 import traceback
 from pathlib import Path
@@ -95,7 +96,20 @@ def plan(
 
 
 def main() -> None:
-    app()
+    """The `batchllm` command: the app, then the process ends without tearing the interpreter
+    down. Its files are written and closed by then (the lock and Ray's workers too); freeing the
+    model's memory object by object and unloading torch took 0.3-0.6 s of a 7 s job (the short
+    bench job, `batchllm run` as a whole process: 7.3-7.6 s -> 7.0-7.1 s)."""
+    try:
+        app()
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 0 if e.code is None else 1
+        if isinstance(e.code, str):
+            print(e.code, file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

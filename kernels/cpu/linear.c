@@ -179,18 +179,21 @@ void cpu_linear_use_amx(int on) {
 #endif
 }
 
-/* W's parts for the tile unit: panels [count, K, 16] -> parts [count, 3, Kp / 2, 32] bf16
- * (Kp = K rounded up to 32; amx.h's split_panel). The caller may drop l where it is all zero
- * (then [count, 2, Kp / 2, 32], w_parts = 2 below). */
-void cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts) {
+/* W's parts for the tile unit: panels [count, K, 16] -> parts [count, planes, Kp / 2, 32] bf16
+ * (Kp = K rounded up to 32; bf16_split.h's split_panel): h, m and, with planes = 3, l. Returns
+ * whether any l is nonzero (then two planes do not hold the weight: split again with three). */
+int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts,
+                     int64_t planes) {
+    int low = 0;
 #ifdef HAVE_AMX
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-#pragma omp parallel for schedule(static)
+#pragma omp parallel for schedule(static) reduction(| : low)
     for (int64_t p = 0; p < count; p++)
-        split_panel(panels + p * K * NR, K, Kp, parts + p * 3 * Kp * NR);
+        low |= split_panel(panels + p * K * NR, K, Kp, parts + p * planes * Kp * NR, (int)planes);
 #else
-    (void)panels, (void)count, (void)K, (void)parts;
+    (void)panels, (void)count, (void)K, (void)parts, (void)planes;
 #endif
+    return low;
 }
 
 /* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);

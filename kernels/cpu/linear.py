@@ -53,8 +53,8 @@ def load() -> ctypes.CDLL | None:
     lib.cpu_linear_use_amx.restype = None
     lib.cpu_linear_amx.argtypes = []
     lib.cpu_linear_amx.restype = ctypes.c_int
-    lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr]
-    lib.cpu_linear_split.restype = None
+    lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr, i64]
+    lib.cpu_linear_split.restype = ctypes.c_int
     lib.cpu_linear_use_amx(int(os.environ.get("BATCHLLM_CPU_AMX", "1") != "0"))
     return lib
 
@@ -76,10 +76,10 @@ def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3 or
     bit for bit."""
     count, k, _ = panels.shape
     kp = -(-k // 32) * 32
-    parts = torch.empty(count, 3, kp // 2, 2 * PANEL, dtype=torch.int16)
-    load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr())
-    if not (parts[:, 2] & 0x7FFF).any():  # l only +-0: the product hl adds zeros
-        parts = parts[:, :2].contiguous()
+    for planes in (2, 3):  # two first: the third only where some l is nonzero
+        parts = torch.empty(count, planes, kp // 2, 2 * PANEL, dtype=torch.int16)
+        if not load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr(), planes):
+            return parts  # l only +-0: the product hl would add zeros
     return parts
 
 
