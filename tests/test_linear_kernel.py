@@ -1,8 +1,9 @@
 """The C projection kernel's own paths (kernels/cpu/linear.c), called directly, as built for this
 machine and with AVX-512, then AVX2 switched off, and on the tile unit (AMX, amx.h) where this
 CPU has it: every tile height (1 .. 24 rows with AVX-512, 1 .. 6 otherwise; on the tile unit
-pairs of 16-row tiles, a lone one, an odd last panel) and the even cuts past it, products small enough to
-run on one thread and large enough to fork, odd N and K, bias or none; and the argmax entry that
+one to several 16-row tiles, groups of four panels and a last group of fewer) and the even cuts
+past it, products small enough to run on one thread and large enough to fork, odd N and K, bias
+or none; weights of two parts and of three on the tile unit; and the argmax entry that
 the greedy rows' lm_head takes, which must return torch.argmax of the kernel's own logits exactly
 (first maximum on ties, NaN highest), planted ties included."""
 
@@ -140,7 +141,8 @@ def test_argmax_of_no_rows():
 def test_the_tile_unit_runs_where_the_cpu_has_it(path):
     """On a CPU with AMX-BF16 the products take the tile unit: its sums differ from the FMA
     chains in the last bits (another order), stay as close to float64, and a row's values do not
-    depend on how many rows its product has (1 to 97: one tile, pairs, a tile left over)."""
+    depend on how many rows its product has (1 to 97: one 16-row tile to seven, the last part
+    full)."""
     with open("/proc/cpuinfo") as f:
         has_amx = " amx_bf16" in f.read()
     if not has_amx or path != "amx":
@@ -187,9 +189,11 @@ def test_a_weight_of_16_bits_streams_two_parts_with_the_same_sums(path):
     three = torch.cat([two, torch.zeros_like(two[:, :1])], dim=1).contiguous()
     x = torch.randn(97, k, generator=gen)
     expected = F.linear(x.double(), w.double(), b.double())
+    full = _LINEAR(x, panels, pb, n, two)
     for m in ROWS:
         y = _LINEAR(x[:m], panels, pb, n, two)
         assert torch.equal(y, _LINEAR(x[:m], panels, pb, n, three)), f"{m} rows"
+        assert torch.equal(y, full[:m]), f"{m} rows: not the same as among 97"
         torch.testing.assert_close(y.double(), expected[:m], rtol=1e-5, atol=1e-4)
         ids = _ARGMAX(x[:m], panels, pb, n, two)
         assert torch.equal(ids, y.argmax(-1)), f"{m} rows"

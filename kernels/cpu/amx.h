@@ -7,7 +7,7 @@
  * v = h + m + l (h = bf16(v), m = bf16(v - h), l = bf16(v - h - m): each difference is exact,
  * and 3 x 8 bits of significand hold float32's 24). The product of two bf16 values is exact in
  * float32 and the unit adds the products in float32. Of the nine products of x's and W's parts
- * the six down to 2^-16 of the whole are taken (hh, hm, hl, mh, mm, lh); the three left out are
+ * the six down to 2^-16 of the whole are taken (hh, mh, lh, hm, mm, hl); the three left out are
  * below 2^-24, float32's own rounding. On SmolLM2-135M's logits against a float64 forward: as
  * far as float32 is (7e-5); the three largest products alone ("bf16x3") are 9x as far (6.5e-4).
  *
@@ -81,9 +81,9 @@ static void amx_configure(void) {
  * lh, hm, mm, hl (W's part h with x's three, then m with x's h and m, then l with x's h). Where
  * every l of W is zero (wl = 0: its values hold 16 bits of significand, as a checkpoint
  * dequantized from 4 or 8 bits, or from float16, does) hl, the last, adds only zeros and is
- * skipped with its load: the same sums, bit for bit, from 4 bytes a weight instead of 6 and five
- * products instead of six. The caller passes wl as a literal, so each form is compiled without
- * the test in its loop. Tile numbers are literals too (the intrinsics paste them into the
+ * skipped with its load: the same sums, bit for bit (but the sign of an exact zero: -0 + 0 is +0
+ * where the product was taken), from 4 bytes a weight instead of 6 and five products instead of
+ * six. The caller passes wl as a literal, so each form is compiled without the test in its loop. Tile numbers are literals too (the intrinsics paste them into the
  * instruction). */
 
 #define AMX_GROUP 4 /* panels a call of amx_group takes: y tiles 0-3 */
@@ -91,8 +91,9 @@ static void amx_configure(void) {
 /* y tiles [16, 16] of x rows [m, m + 16) against panels t < np <= 4 of a group, out[t] = bias[t]
  * + x . panel t, from their parts (xs: [3][Mp][Kp]; panel t's at w + t * w_panel,
  * [2 + wl][Kp / 2][32]): per step of k, x's three parts loaded once into tiles 4-6 for the
- * group's four panels, each panel's parts one after another through tile 7. 11 tile loads for 20
- * products (amx_quad's 2 x 2 tiles took 16; a tile load from L2 costs about two products). */
+ * group's four panels, each panel's parts one after another through tile 7: 11 tile loads for
+ * 20 products with two parts of W, 15 for 24 with three, where 2 x 2 output tiles took 18 for
+ * 24 (a tile load from L2 costs about two products). */
 static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, int64_t Mp,
                                                             int64_t Kp, int64_t m,
                                                             const uint16_t *w, int64_t w_panel,

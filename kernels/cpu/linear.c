@@ -181,7 +181,8 @@ void cpu_linear_use_amx(int on) {
 
 /* W's parts for the tile unit: panels [count, K, 16] -> parts [count, planes, Kp / 2, 32] bf16
  * (Kp = K rounded up to 32; bf16_split.h's split_panel): h, m and, with planes = 3, l. Returns
- * whether any l is nonzero (then two planes do not hold the weight: split again with three). */
+ * whether any l is nonzero (then two planes do not hold the weight: split again with three);
+ * -1 where the build has no tile unit. */
 int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts,
                      int64_t planes) {
     int low = 0;
@@ -192,6 +193,7 @@ int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *pa
         low |= split_panel(panels + p * K * NR, K, Kp, parts + p * planes * Kp * NR, (int)planes);
 #else
     (void)panels, (void)count, (void)K, (void)parts, (void)planes;
+    low = -1; /* no tile unit in this build: nothing was split */
 #endif
     return low;
 }

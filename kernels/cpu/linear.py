@@ -78,7 +78,11 @@ def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3 or
     kp = -(-k // 32) * 32
     for planes in (2, 3):  # two first: the third only where some l is nonzero
         parts = torch.empty(count, planes, kp // 2, 2 * PANEL, dtype=torch.int16)
-        if not load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr(), planes):
+        low = load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr(), planes)
+        if low < 0:
+            raise RuntimeError("cpu_linear: split_parts needs a build with the tile unit "
+                               "(uses_amx())")
+        if not low:
             return parts  # l only +-0: the product hl would add zeros
     return parts
 

@@ -95,8 +95,8 @@ static inline __attribute__((always_inline)) void score_tile(
 #endif
 }
 
-/* o[r][d0 .. d0 + 16 nv - 1] += sum_t p[r][t] v[t][same] for rows r0 .. r0+5, t < nk (nv = 1,
- * 2 or 4 with AVX-512, 1 otherwise) */
+/* o[r][d0 .. d0 + 16 nv - 1] += sum_t p[r][t] v[t][same] for rows r0 .. r0+5, t < nk (nv = 1
+ * or 4 with AVX-512, 1 otherwise) */
 static inline __attribute__((always_inline)) void value_tile(
     const float *p, const float *v, int64_t D, int64_t nk, int64_t r0, int64_t d0, float *o,
     const int nv) {
@@ -200,14 +200,12 @@ static inline __attribute__((always_inline)) void attend_block(
                 for (int64_t d = 0; d < D; d++) w->kt[d * KB + t] = w->v[t * D + d] = 0.f;
             }
         }
-        for (int64_t r0 = 0; r0 < Rp; r0 += RT)
-            for (int64_t t0 = 0; t0 < nkp; t0 += 16 * WIDE) {
-                if (WIDE == 2 && t0 + 32 <= nkp)
-                    score_tile(w->q, w->kt, D, r0, t0, w->s, 2);
-                else
-                    for (int64_t t = t0; t < nkp; t += 16)
-                        score_tile(w->q, w->kt, D, r0, t, w->s, 1);
-            }
+        for (int64_t r0 = 0; r0 < Rp; r0 += RT) {
+            int64_t t0 = 0;
+            if (WIDE == 2)
+                for (; t0 + 32 <= nkp; t0 += 32) score_tile(w->q, w->kt, D, r0, t0, w->s, 2);
+            for (; t0 < nkp; t0 += 16) score_tile(w->q, w->kt, D, r0, t0, w->s, 1);
+        }
         for (int64_t r = 0; r < Rp; r++) { /* causal limit (and window), online softmax */
             float *s = w->s + r * KB;
             int64_t valid = r < R ? (c->causal ? first_pos + qi0 + r / G - k0 + 1 : nk) : 0;
