@@ -1,8 +1,9 @@
 """The forward of every family against transformers' own, logit by logit: a 45-token prompt run
 as two prefill chunks over paged KV (pages of 8; the second chunk reads the first one's pages,
 past the windows of the windowed families) gives the logits of transformers' forward (float64,
-float32 for MoE) over the whole prompt, at every position. Sharper than greedy tokens: the final soft-capping (monotonic,
-so invisible to argmax), the attention scale and the rotary tables show here at once."""
+float32 for MoE) over the whole prompt, at every position. Sharper than greedy tokens: the final
+soft-capping (monotonic, so invisible to argmax), the attention scale and the rotary tables show
+here at once."""
 
 from __future__ import annotations
 

@@ -83,8 +83,8 @@ static void amx_configure(void) {
  * dequantized from 4 or 8 bits, or from float16, does) hl, the last, adds only zeros and is
  * skipped with its load: the same sums, bit for bit (but the sign of an exact zero: -0 + 0 is +0
  * where the product was taken), from 4 bytes a weight instead of 6 and five products instead of
- * six. The caller passes wl as a literal, so each form is compiled without the test in its loop. Tile numbers are literals too (the intrinsics paste them into the
- * instruction). */
+ * six. The caller passes wl as a literal, so each form is compiled without the test in its loop.
+ * Tile numbers are literals too (the intrinsics paste them into the instruction). */
 
 #define AMX_GROUP 4 /* panels a call of amx_group takes: y tiles 0-3 */
 

@@ -53,8 +53,9 @@ static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *part
         __m256bh ah, am, al, bh, bm, bl;
         split3(a, &ah, &am, &al);
         split3(b, &bh, &bm, &bl);
-#define INTERLEAVE(x, y) \
-    _mm512_permutexvar_epi16(pairs, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1))
+#define INTERLEAVE(x, y)                                                                     \
+    _mm512_permutexvar_epi16(                                                                \
+        pairs, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1))
         _mm512_store_si512(parts + k * 16, INTERLEAVE(ah, bh));
         _mm512_store_si512(parts + plane + k * 16, INTERLEAVE(am, bm));
         const __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)al), (__m256i)bl, 1);
