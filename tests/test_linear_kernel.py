@@ -30,15 +30,19 @@ def kernel(request, monkeypatch):
         pytest.skip("the C projection kernel cannot be built here")
 
 
-@pytest.fixture(autouse=True, params=["fma", "amx"])
+@pytest.fixture(autouse=True, params=["fma", "amx", "pruned"])
 def path(request, kernel, monkeypatch):
-    """fma: the panels alone; amx: with their parts, so that the products run on the tile unit."""
-    if request.param == "amx":
+    """fma: the panels alone; amx: with their parts, so that the products run on the tile unit;
+    pruned: the argmax also given its bounds (the high parts first, amx_argmax.h)."""
+    if request.param != "fma":
         if not cpu_linear.uses_amx():
             pytest.skip("no tile unit here (a CPU without AMX-BF16, or a build without AVX-512)")
         for name in ("linear", "linear_argmax"):
             fn = getattr(cpu_linear, name)
             monkeypatch.setattr(cpu_linear, name, functools.partial(_with_parts, fn))
+        if request.param == "pruned":
+            monkeypatch.setattr(cpu_linear, "linear_argmax",
+                                functools.partial(_with_bounds, _ARGMAX))
     return request.param
 
 
@@ -48,6 +52,11 @@ _ARGMAX = cpu_linear.linear_argmax
 
 def _with_parts(fn, x, panels, bias, n):
     return fn(x, panels, bias, n, cpu_linear.split_parts(panels))
+
+
+def _with_bounds(fn, x, panels, bias, n):
+    return fn(x, panels, bias, n, cpu_linear.split_parts(panels),
+              cpu_linear.argmax_bounds(panels))
 
 
 def packed(w: torch.Tensor, b: torch.Tensor | None):

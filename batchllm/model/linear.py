@@ -64,6 +64,7 @@ class Linear:
         self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
         self.parts = None  # the panels split for the tile unit, where it runs
+        self.bounds = None  # the pruned argmax's column norms, made by the first argmax()
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
             self.panels, self.panel_bias = _panels(weight, bias)
@@ -89,5 +90,8 @@ class Linear:
         values, so the same first maximum); None in the other layouts."""
         if self.panels is None:
             return None
+        if self.bounds is None and self.parts is not None and self.panel_bias is None:
+            # once (~10 ms for SmolLM2's lm_head): only the lm_head asks for an argmax
+            self.bounds = cpu_linear.argmax_bounds(self.panels)
         return cpu_linear.linear_argmax(x, self.panels, self.panel_bias, self.out_features,
-                                        self.parts)
+                                        self.parts, self.bounds)

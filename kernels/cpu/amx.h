@@ -148,6 +148,17 @@ static void *thread_buffer(void **buffer, size_t *size, size_t need) {
     return *buffer;
 }
 
+/* x [M, K] (stride lda) split into its three parts [3][Mp][Kp] in the calling thread's buffer
+ * (zero past M and K); NULL when memory is short */
+static const uint16_t *x_parts(const float *x, int64_t M, int64_t lda, int64_t K, int64_t Mp,
+                               int64_t Kp) {
+    static __thread void *buffer;
+    static __thread size_t size;
+    uint16_t *xs = thread_buffer(&buffer, &size, 3 * Mp * Kp * sizeof(uint16_t));
+    if (xs) split_rows(x, M, lda, K, Mp, Kp, xs);
+    return xs;
+}
+
 /* out tile [16, 16] of rows m.. and panel p: its first rows x cols into y, or folded into best */
 static inline void emit(const float *out, int64_t rows, int64_t cols, int64_t m, int64_t p,
                         float *y, int64_t N, Best *best) {
@@ -170,15 +181,12 @@ static inline void fill_bias(float *tile, const float *bias) {
  * parts do not fit in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
                        int wl, const float *bias, int64_t N, float *y, Best *bests) {
-    static __thread void *buffer;
-    static __thread size_t size;
     const int64_t count = (N + NR - 1) / NR;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
     const int64_t w_parts = (2 + wl) * Kp * NR; /* bf16 values of a panel's parts */
-    uint16_t *xs = thread_buffer(&buffer, &size, 3 * Mp * Kp * sizeof(uint16_t));
+    const uint16_t *xs = x_parts(x, M, lda, K, Mp, Kp);
     if (!xs) return 0;
-    split_rows(x, M, lda, K, Mp, Kp, xs);
     int64_t block = AMX_L2 / (3 * Kp * 2) / AMX_ROWS * AMX_ROWS;
     if (block < AMX_ROWS) block = AMX_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)

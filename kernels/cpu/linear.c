@@ -160,6 +160,7 @@ static void panel_rows(const float *x, int64_t lda, int64_t K, const float *pane
 
 /* Below here the tiles of amx.h need PARALLEL_MACS and the folds above */
 #include "amx.h"
+#include "amx_argmax.h"
 
 /* 1 where the products run on the tile unit (the CPU has AMX-BF16, the kernel grants its
  * tiles, and cpu_linear_use_amx has not switched it off), else 0 */
@@ -196,6 +197,19 @@ int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *pa
     low = -1; /* no tile unit in this build: nothing was split */
 #endif
     return low;
+}
+
+/* bounds [2][16 count] of panels [count, K, 16] for cpu_linear_argmax's pruned pass
+ * (amx_argmax.h: each column's ||w - bf16(w)|| and ||w||). Returns 0 where the build has no tile
+ * unit (nothing written). */
+int cpu_linear_bounds(const float *panels, int64_t count, int64_t K, float *bounds) {
+#ifdef HAVE_AMX
+    amx_bounds(panels, count, K, bounds);
+    return 1;
+#else
+    (void)panels, (void)count, (void)K, (void)bounds;
+    return 0;
+#endif
 }
 
 /* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);
@@ -238,10 +252,19 @@ void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *
 }
 
 /* ids [M] = argmax over j of (x W^T + b)[r, j], y never written: the first maximum, NaN
- * highest. Same arguments as cpu_linear otherwise. */
+ * highest. Same arguments as cpu_linear otherwise; with bounds from cpu_linear_bounds (or
+ * NULL), parts and no bias, on the tile unit from W's high parts first (amx_argmax.h: the same
+ * index, a fraction of the stream). */
 void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                       const uint16_t *parts, int64_t w_parts, const float *bias, int64_t N,
-                       int64_t *ids) {
+                       const uint16_t *parts, int64_t w_parts, const float *bias,
+                       const float *bounds, int64_t N, int64_t *ids) {
+#ifdef HAVE_AMX
+    if (parts && bounds && !bias && cpu_linear_amx() &&
+        amx_argmax(x, M, lda, K, parts, w_parts == 3, bounds, N, ids))
+        return;
+#else
+    (void)bounds;
+#endif
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();

@@ -47,7 +47,7 @@ def load() -> ctypes.CDLL | None:
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
     lib.cpu_linear.restype = None
-    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
+    lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr]
     lib.cpu_linear_argmax.restype = None
     lib.cpu_linear_use_amx.argtypes = [ctypes.c_int]
     lib.cpu_linear_use_amx.restype = None
@@ -55,6 +55,8 @@ def load() -> ctypes.CDLL | None:
     lib.cpu_linear_amx.restype = ctypes.c_int
     lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr, i64]
     lib.cpu_linear_split.restype = ctypes.c_int
+    lib.cpu_linear_bounds.argtypes = [ptr, i64, i64, ptr]
+    lib.cpu_linear_bounds.restype = ctypes.c_int
     lib.cpu_linear_use_amx(int(os.environ.get("BATCHLLM_CPU_AMX", "1") != "0"))
     return lib
 
@@ -142,22 +144,40 @@ def linear(
     return y
 
 
+def argmax_bounds(panels: torch.Tensor) -> torch.Tensor | None:  # [P, K, 16] -> [2, 16 P]
+    """What linear_argmax needs to take the tile unit's pruned pass (amx.h's sibling
+    amx_argmax.h): each column's ||w - bf16(w)|| and ||w||, rounded up; None where the build has
+    no tile unit."""
+    count, k, _ = panels.shape
+    bounds = torch.empty(2, count * PANEL, dtype=torch.float32)
+    if not load().cpu_linear_bounds(panels.data_ptr(), count, k, bounds.data_ptr()):
+        return None
+    return bounds
+
+
 def linear_argmax(
     x: torch.Tensor,  # [M, K] float32, as linear()
     panels: torch.Tensor,
     bias: torch.Tensor | None,
     n: int,
     parts: torch.Tensor | None = None,
+    bounds: torch.Tensor | None = None,  # argmax_bounds(panels), with parts and no bias
 ) -> torch.Tensor:  # [M] int64
     """linear(x, panels, bias, n, parts).argmax(-1) without the [M, N] product ever written (a
     greedy row's lm_head: 49,152 logits a row): the same values, so the same index, the first
-    maximum on ties and the first NaN where there is one, as torch.argmax."""
+    maximum on ties and the first NaN where there is one, as torch.argmax. Given bounds, the
+    tile unit first takes W's high part alone and the exact product only of the panels whose
+    columns its bound leaves in the running (the same index, ~a third of the bytes)."""
     x = _rows(x, panels)
     ids = torch.empty(x.shape[0], dtype=torch.int64)
+    if bounds is not None and (bounds.dtype != torch.float32 or not bounds.is_contiguous()
+                               or tuple(bounds.shape) != (2, panels.shape[0] * PANEL)):
+        raise ValueError(f"cpu_linear: bounds [2, {panels.shape[0] * PANEL}] float32 expected "
+                         f"from argmax_bounds, got {bounds.dtype} {tuple(bounds.shape)}")
     if x.shape[0]:
         load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
                                  panels.data_ptr(), _ptr(parts), _count(parts, panels),
-                                 _ptr(bias), n, ids.data_ptr())
+                                 _ptr(bias), _ptr(bounds), n, ids.data_ptr())
     return ids
 
 
