@@ -180,32 +180,38 @@ def dequantized(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
     return (d * q + m).reshape(n, -1)[:, :k].contiguous()
 
 
-def test_a_weight_of_16_bits_streams_two_parts_with_the_same_sums(path):
+@pytest.mark.parametrize("kind, planes", [("dequantized", 2), ("bfloat16", 1)])
+def test_a_weight_of_fewer_bits_streams_fewer_parts_with_the_same_sums(path, kind, planes):
     """Where every W value fits h + m (l all zero, as in a dequantized checkpoint) split_parts
-    keeps two parts and the tile unit skips the product l would add: the same values, bit for
-    bit, as with l's zeros kept and multiplied, for every row count; a float32 weight of full
-    precision keeps its three."""
+    keeps two parts, where it fits h alone (a bfloat16 checkpoint) one, and the tile unit skips
+    the products the others would add: the same values, bit for bit, as with their zeros kept
+    and multiplied, for every row count; a float32 weight of full precision keeps its three."""
     if path != "amx":
         pytest.skip("the tile unit's parts")
     gen = torch.Generator().manual_seed(11)
     n, k = 211, 333
     assert cpu_linear.split_parts(packed(torch.randn(n, k, generator=gen), None)[0]).shape[1] == 3
     w = dequantized(n, k, gen)
+    if kind == "bfloat16":
+        w = torch.randn(n, k, generator=gen).bfloat16().float()
     b = torch.randn(n, generator=gen)
     panels, pb = packed(w, b)
-    two = cpu_linear.split_parts(panels)
-    assert two.shape[1] == 2
-    three = torch.cat([two, torch.zeros_like(two[:, :1])], dim=1).contiguous()
+    few = cpu_linear.split_parts(panels)
+    assert few.shape[1] == planes
+    three = torch.cat([few, torch.zeros_like(few[:, :1]).expand(-1, 3 - planes, -1, -1)],
+                      dim=1).contiguous()
     x = torch.randn(97, k, generator=gen)
     expected = F.linear(x.double(), w.double(), b.double())
-    full = _LINEAR(x, panels, pb, n, two)
+    full = _LINEAR(x, panels, pb, n, few)
     for m in ROWS:
-        y = _LINEAR(x[:m], panels, pb, n, two)
+        y = _LINEAR(x[:m], panels, pb, n, few)
         assert torch.equal(y, _LINEAR(x[:m], panels, pb, n, three)), f"{m} rows"
         assert torch.equal(y, full[:m]), f"{m} rows: not the same as among 97"
         torch.testing.assert_close(y.double(), expected[:m], rtol=1e-5, atol=1e-4)
-        ids = _ARGMAX(x[:m], panels, pb, n, two)
+        ids = _ARGMAX(x[:m], panels, pb, n, few)
         assert torch.equal(ids, y.argmax(-1)), f"{m} rows"
+        ids = _ARGMAX(x[:m], panels, None, n, few, cpu_linear.argmax_bounds(panels))
+        assert torch.equal(ids, _LINEAR(x[:m], panels, None, n, few).argmax(-1)), f"{m} rows"
 
 
 def test_parts_that_do_not_match_their_panels_are_refused(path):

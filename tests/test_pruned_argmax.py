@@ -32,7 +32,7 @@ def high_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [m, n] flo
     return (xh + _bf16(x.double() - xh)) @ _bf16(w).T
 
 
-def argmax_of(x, w, m_rows=None):
+def argmax_of(x, w):
     panels = cpu_linear.pack_panels(w)
     parts = cpu_linear.split_parts(panels)
     bounds = cpu_linear.argmax_bounds(panels)
@@ -72,6 +72,7 @@ def test_planted_ties_beyond_the_high_parts_take_the_first_column():
     pruned, whole, logits = argmax_of(x, w)
     assert torch.equal(_bf16(w[cols[:, 0]]), _bf16(w[cols[:, 1]]))
     assert torch.equal(whole, cols[:, 1])
+    assert torch.equal(logits.argmax(dim=-1), cols[:, 1])
     assert torch.equal(pruned, cols[:, 1])
 
 
@@ -83,7 +84,8 @@ def test_rows_apart_and_real_scale_logits():
     w = torch.randn(n, k, generator=gen) * 0.05
     x = (torch.randn(24, k + 5, generator=gen) * 3)[:, 2 : k + 2]
     pruned, whole, logits = argmax_of(x, w)
-    assert torch.equal(pruned, logits.argmax(dim=-1))
+    assert torch.equal(whole, logits.argmax(dim=-1))
+    assert torch.equal(pruned, whole)
 
 
 def test_non_finite_values_take_the_whole_product():

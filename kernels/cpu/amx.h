@@ -14,7 +14,8 @@
  * Why: a 16 x 16 x 32 tile product is 8,192 multiply-adds in 16 cycles where an AVX-512 core
  * does 32 a cycle, so six of them still beat the FMAs 2.7x; what bounds it is loading tiles (a
  * tile from L2 costs about two tile products), hence amx_group's x parts held for four panels.
- * W's parts are made once (1.5x the panels' bytes, 1x where l is all zero: see amx_group): split
+ * W's parts are made once (1.5x the panels' bytes; 1x or 0.5x where l, or l and m, are all zero:
+ * see the products' order below): split
  * per call, even by truncation, they cost more than the FMAs of a 16-row step.
  *
  * Every product takes the unit, however few its rows: each y[r, j] is then the same sum in the
@@ -78,26 +79,28 @@ static void amx_configure(void) {
 }
 
 /* The products, in this order for every output: x part i times W part j for (i, j) = hh, mh,
- * lh, hm, mm, hl (W's part h with x's three, then m with x's h and m, then l with x's h). Where
- * every l of W is zero (wl = 0: its values hold 16 bits of significand, as a checkpoint
- * dequantized from 4 or 8 bits, or from float16, does) hl, the last, adds only zeros and is
- * skipped with its load: the same sums, bit for bit (but the sign of an exact zero: -0 + 0 is +0
- * where the product was taken), from 4 bytes a weight instead of 6 and five products instead of
- * six. The caller passes wl as a literal, so each form is compiled without the test in its loop.
- * Tile numbers are literals too (the intrinsics paste them into the instruction). */
+ * lh, hm, mm, hl (W's part h with x's three, then m with x's h and m, then l with x's h). W
+ * keeps wp of its parts (cpu_linear_split): where every l is zero (wp = 2: values of 16 bits of
+ * significand, as a checkpoint dequantized from 4 or 8 bits, or from float16, holds) hl, the
+ * last, adds only zeros and is skipped with its load; where every m is zero too (wp = 1: values
+ * that are bfloat16, as a bfloat16 checkpoint's) hm and mm are as well. The same sums, bit for
+ * bit (but the sign of an exact zero: -0 + 0 is +0 where the product was taken), from 4 or 2
+ * bytes a weight instead of 6 and five or three products instead of six. The caller passes wp
+ * as a literal, so each form is compiled without the test in its loop. Tile numbers are
+ * literals too (the intrinsics paste them into the instruction). */
 
 #define AMX_GROUP 4 /* panels a call of amx_group takes: y tiles 0-3 */
 
 /* y tiles [16, 16] of x rows [m, m + 16) against panels t < np <= 4 of a group, out[t] = bias[t]
  * + x . panel t, from their parts (xs: [3][Mp][Kp]; panel t's at w + t * w_panel,
- * [2 + wl][Kp / 2][32]): per step of k, x's three parts loaded once into tiles 4-6 for the
+ * [wp][Kp / 2][32]): per step of k, x's three parts loaded once into tiles 4-6 for the
  * group's four panels, each panel's parts one after another through tile 7: 11 tile loads for
  * 20 products with two parts of W, 15 for 24 with three, where 2 x 2 output tiles took 18 for
  * 24 (a tile load from L2 costs about two products). */
 static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, int64_t Mp,
                                                             int64_t Kp, int64_t m,
                                                             const uint16_t *w, int64_t w_panel,
-                                                            int np, int wl, const float *bias,
+                                                            int np, int wp, const float *bias,
                                                             float *out) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2; /* bytes between x rows */
@@ -117,10 +120,12 @@ static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, 
             _tile_dpbf16ps(t, 4, 7);                                \
             _tile_dpbf16ps(t, 5, 7);                                \
             _tile_dpbf16ps(t, 6, 7);                                \
-            _tile_loadd(7, wt + wplane, 64);                        \
-            _tile_dpbf16ps(t, 4, 7);                                \
-            _tile_dpbf16ps(t, 5, 7);                                \
-            if (wl) {                                               \
+            if (wp > 1) {                                           \
+                _tile_loadd(7, wt + wplane, 64);                    \
+                _tile_dpbf16ps(t, 4, 7);                            \
+                _tile_dpbf16ps(t, 5, 7);                            \
+            }                                                       \
+            if (wp > 2) {                                           \
                 _tile_loadd(7, wt + 2 * wplane, 64);                \
                 _tile_dpbf16ps(t, 4, 7);                            \
             }                                                       \
@@ -174,17 +179,17 @@ static inline void fill_bias(float *tile, const float *bias) {
         for (int64_t j = 0; j < NR; j++) tile[r * NR + j] = bias ? bias[j] : 0.f;
 }
 
-/* The product on the tile unit, W's parts split once at load (cpu_linear_split; wl: whether
- * they hold l, [count][2 + wl][Kp / 2][32]): x split once a call; each thread an even share of
+/* The product on the tile unit, W's parts split once at load (cpu_linear_split; wp of them,
+ * [count][wp][Kp / 2][32]): x split once a call; each thread an even share of
  * the panels, four at a time, a block of rows at a time (rows whose parts fit in L2), one row
  * tile after another against the four (their parts from L2 after the first). Returns 0 where x's
  * parts do not fit in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
-                       int wl, const float *bias, int64_t N, float *y, Best *bests) {
+                       int wp, const float *bias, int64_t N, float *y, Best *bests) {
     const int64_t count = (N + NR - 1) / NR;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-    const int64_t w_parts = (2 + wl) * Kp * NR; /* bf16 values of a panel's parts */
+    const int64_t w_parts = wp * Kp * NR; /* bf16 values of a panel's parts */
     const uint16_t *xs = x_parts(x, M, lda, K, Mp, Kp);
     if (!xs) return 0;
     int64_t block = AMX_L2 / (3 * Kp * 2) / AMX_ROWS * AMX_ROWS;
@@ -211,10 +216,12 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
                     fill_bias(biases + t * 256, bias ? bias + (p0 + t) * NR : 0);
                 for (int64_t m = m0; m < m1; m += AMX_ROWS) {
                     const int64_t rows = m1 - m < AMX_ROWS ? m1 - m : AMX_ROWS;
-                    if (wl)
-                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 1, biases, out);
+                    if (wp == 3)
+                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 3, biases, out);
+                    else if (wp == 2)
+                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 2, biases, out);
                     else
-                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 0, biases, out);
+                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 1, biases, out);
                     for (int t = 0; t < np; t++) {
                         const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
                         emit(out + t * 256, rows, cols, m, p, y, N, best);

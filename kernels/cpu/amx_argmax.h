@@ -165,9 +165,9 @@ static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, cons
  * has a column with a + E >= the row's highest a - E (low), exactly (all of W's parts, as
  * amx_product), folded into best */
 static void exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
-                       const uint16_t *parts, int wl, int64_t N, const float *upper,
+                       const uint16_t *parts, int wp, int64_t N, const float *upper,
                        const float *low, Best *best) {
-    const int64_t count = (N + NR - 1) / NR, w_parts = (2 + wl) * Kp * NR;
+    const int64_t count = (N + NR - 1) / NR, w_parts = wp * Kp * NR;
     float zeros[AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
     float out[AMX_ROWS * NR] __attribute__((aligned(64)));
     amx_configure();
@@ -178,10 +178,12 @@ static void exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
             while (r < rows && upper[(m + r) * count + p] < low[m + r]) r++;
             if (r == rows) continue;
             const uint16_t *w = parts + p * w_parts;
-            if (wl)
-                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 1, zeros, out);
+            if (wp == 3)
+                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 3, zeros, out);
+            else if (wp == 2)
+                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 2, zeros, out);
             else
-                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 0, zeros, out);
+                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 1, zeros, out);
             fold(best, out, rows, N - p * NR < NR ? N - p * NR : NR, m, p);
         }
     }
@@ -189,10 +191,10 @@ static void exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
 }
 
 /* ids [M] = the argmax of x W^T over W's N columns (no bias), as cpu_linear_argmax's whole
- * product gives it; W's parts [count][2 + wl][Kp / 2][32], bounds from amx_bounds. Returns 0
+ * product gives it; W's parts [count][wp][Kp / 2][32], bounds from amx_bounds. Returns 0
  * where it gives no answer (memory short, a value not finite): then the whole product runs. */
 static int amx_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
-                      int wl, const float *bounds, int64_t N, int64_t *ids) {
+                      int wp, const float *bounds, int64_t N, int64_t *ids) {
     const int64_t count = (N + NR - 1) / NR;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
@@ -207,7 +209,7 @@ static int amx_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const u
     if (ok) xs = x_parts(x, M, lda, K, Mp, Kp);
     if (ok && xs) {
         for (int64_t i = 0; i < threads * M; i++) low[i] = -FLT_MAX;
-        ok = high_pass(xs, M, Mp, Kp, parts, (2 + wl) * Kp * NR, N, c, bounds, upper, low);
+        ok = high_pass(xs, M, Mp, Kp, parts, wp * Kp * NR, N, c, bounds, upper, low);
     }
     ok = ok && xs;
     if (ok) {
@@ -216,7 +218,7 @@ static int amx_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const u
                 if (low[t * M + r] > low[r]) low[r] = low[t * M + r];
         for (int64_t r = 0; r < M; r++) ids[r] = -1;
         Best best = {c, ids}; /* the coefficients are spent: c holds the best values */
-        exact_pass(xs, M, Mp, Kp, parts, wl, N, upper, low, &best);
+        exact_pass(xs, M, Mp, Kp, parts, wp, N, upper, low, &best);
     }
     free(c);
     free(upper);

@@ -39,14 +39,16 @@ static void split_rows(const float *x, int64_t M, int64_t lda, int64_t K, int64_
 }
 
 /* panel [K, 16] float32 -> parts [planes][Kp / 2][32] bf16, pair-interleaved, zero past K: h,
- * m and (planes = 3) l. Returns whether any l is nonzero (+-0 are zero), so that a caller
- * asking for two planes learns whether the panel needed the third. */
+ * m (planes >= 2) and l (planes = 3). Returns which parts are nonzero somewhere (+-0 are zero):
+ * 1 for m, 2 for l, so that a caller asking for two planes learns whether the panel needed the
+ * third, or only the first. */
 static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *parts, int planes) {
     const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
                                            24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
                                            16, 0);
     const int64_t plane = Kp * 16;
-    __m512i low = _mm512_setzero_si512();
+    __m512i mid = _mm512_setzero_si512(), low = _mm512_setzero_si512();
+    const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
     for (int64_t k = 0; k < Kp; k += 2) {
         const __m512 a = k < K ? _mm512_loadu_ps(panel + k * 16) : _mm512_setzero_ps();
         const __m512 b = k + 1 < K ? _mm512_loadu_ps(panel + (k + 1) * 16) : _mm512_setzero_ps();
@@ -56,14 +58,16 @@ static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *part
 #define INTERLEAVE(x, y)                                                                     \
     _mm512_permutexvar_epi16(                                                                \
         pairs, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1))
+#define JOINED(x, y) _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1)
         _mm512_store_si512(parts + k * 16, INTERLEAVE(ah, bh));
-        _mm512_store_si512(parts + plane + k * 16, INTERLEAVE(am, bm));
-        const __m512i l = _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)al), (__m256i)bl, 1);
-        low = _mm512_or_si512(low, _mm512_and_si512(l, _mm512_set1_epi16(0x7FFF)));
-        if (planes == 3) _mm512_store_si512(parts + 2 * plane + k * 16, INTERLEAVE(al, bl));
+        if (planes > 1) _mm512_store_si512(parts + plane + k * 16, INTERLEAVE(am, bm));
+        if (planes > 2) _mm512_store_si512(parts + 2 * plane + k * 16, INTERLEAVE(al, bl));
+        mid = _mm512_or_si512(mid, _mm512_and_si512(JOINED(am, bm), magnitude));
+        low = _mm512_or_si512(low, _mm512_and_si512(JOINED(al, bl), magnitude));
+#undef JOINED
 #undef INTERLEAVE
     }
-    return _mm512_test_epi16_mask(low, low) != 0;
+    return (_mm512_test_epi16_mask(mid, mid) != 0) | (_mm512_test_epi16_mask(low, low) != 0) << 1;
 }
 
 #endif

@@ -181,22 +181,24 @@ void cpu_linear_use_amx(int on) {
 }
 
 /* W's parts for the tile unit: panels [count, K, 16] -> parts [count, planes, Kp / 2, 32] bf16
- * (Kp = K rounded up to 32; bf16_split.h's split_panel): h, m and, with planes = 3, l. Returns
- * whether any l is nonzero (then two planes do not hold the weight: split again with three);
- * -1 where the build has no tile unit. */
+ * (Kp = K rounded up to 32; bf16_split.h's split_panel): h and, with planes >= 2, m, with 3, l.
+ * Returns which parts are nonzero somewhere (1: m, 2: l; a weight whose l is nonzero does not
+ * fit two planes: split again with three; one whose m and l are zero fits one); -1 where the
+ * build has no tile unit. */
 int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts,
                      int64_t planes) {
-    int low = 0;
+    int nonzero = 0;
 #ifdef HAVE_AMX
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-#pragma omp parallel for schedule(static) reduction(| : low)
+#pragma omp parallel for schedule(static) reduction(| : nonzero)
     for (int64_t p = 0; p < count; p++)
-        low |= split_panel(panels + p * K * NR, K, Kp, parts + p * planes * Kp * NR, (int)planes);
+        nonzero |= split_panel(panels + p * K * NR, K, Kp, parts + p * planes * Kp * NR,
+                               (int)planes);
 #else
     (void)panels, (void)count, (void)K, (void)parts, (void)planes;
-    low = -1; /* no tile unit in this build: nothing was split */
+    nonzero = -1; /* no tile unit in this build: nothing was split */
 #endif
-    return low;
+    return nonzero;
 }
 
 /* bounds [2][16 count] of panels [count, K, 16] for cpu_linear_argmax's pruned pass
@@ -219,7 +221,7 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
                     float *y, Best *bests) {
 #ifdef HAVE_AMX
     if (parts && cpu_linear_amx() &&
-        amx_product(x, M, lda, K, parts, w_parts == 3, bias, N, y, bests))
+        amx_product(x, M, lda, K, parts, (int)w_parts, bias, N, y, bests))
         return;
 #else
     (void)parts, (void)w_parts;
@@ -244,8 +246,8 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
 }
 
 /* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), their parts from
- * cpu_linear_split or NULL (w_parts of them: 3, or 2 with l dropped), bias [16 ceil(N / 16)] or
- * NULL, y [M, N] contiguous */
+ * cpu_linear_split or NULL (w_parts of them: 3, 2 with l dropped, 1 with m too), bias
+ * [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                 const uint16_t *parts, int64_t w_parts, const float *bias, int64_t N, float *y) {
     product(x, M, lda, K, panels, parts, w_parts, bias, N, y, 0);
@@ -260,7 +262,7 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
                        const float *bounds, int64_t N, int64_t *ids) {
 #ifdef HAVE_AMX
     if (parts && bounds && !bias && cpu_linear_amx() &&
-        amx_argmax(x, M, lda, K, parts, w_parts == 3, bounds, N, ids))
+        amx_argmax(x, M, lda, K, parts, (int)w_parts, bounds, N, ids))
         return;
 #else
     (void)bounds;

@@ -69,23 +69,24 @@ def uses_amx() -> bool:
     return lib is not None and bool(lib.cpu_linear_amx())
 
 
-def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 3 or 2, Kp / 2, 32]
+def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 1-3, Kp / 2, 32]
     """The tile unit's copy of a packed weight: each float32 value as three bfloat16 (h + m + l,
     exactly), pair-interleaved, K padded to Kp (a multiple of 32) with zeros; 1.5x the panels'
     bytes. Where every l is zero (values of at most 16 significant bits: a checkpoint
     dequantized from 4 or 8 bits, as SmolLM2's Q4_1 layers, or from float16) only h and m are
-    kept, the panels' bytes, and the kernel skips the product that l would add: the same sums,
-    bit for bit."""
+    kept, the panels' bytes; where every m is zero too (values that are bfloat16: a bfloat16
+    checkpoint's) only h, half of them. The kernel skips the products the dropped parts would
+    add: the same sums, bit for bit."""
     count, k, _ = panels.shape
     kp = -(-k // 32) * 32
     for planes in (2, 3):  # two first: the third only where some l is nonzero
         parts = torch.empty(count, planes, kp // 2, 2 * PANEL, dtype=torch.int16)
-        low = load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr(), planes)
-        if low < 0:
+        nonzero = load().cpu_linear_split(panels.data_ptr(), count, k, parts.data_ptr(), planes)
+        if nonzero < 0:
             raise RuntimeError("cpu_linear: split_parts needs a build with the tile unit "
                                "(uses_amx())")
-        if not low:
-            return parts  # l only +-0: the product hl would add zeros
+        if not nonzero & 2:  # l only +-0: the product hl would add zeros
+            return parts if nonzero & 1 else parts[:, :1].contiguous()  # m too: hm, mm
     return parts
 
 
@@ -186,12 +187,13 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def _count(parts: torch.Tensor | None, panels: torch.Tensor) -> int:
-    """How many parts of each weight split_parts kept (3, or 2 without l); 0 without parts."""
+    """How many parts of each weight split_parts kept (3, 2 without l, 1 without m and l); 0
+    without parts."""
     if parts is None:
         return 0
     count, k, _ = panels.shape
     if (parts.dtype != torch.int16 or not parts.is_contiguous() or parts.dim() != 4
-            or parts.shape[1] not in (2, 3)
+            or parts.shape[1] not in (1, 2, 3)
             or (parts.shape[0], parts.shape[2:]) != (count, (-(-k // 32) * 16, 2 * PANEL))):
         raise ValueError(f"cpu_linear: parts of panels {tuple(panels.shape)} expected from "
                          f"split_parts, got {parts.dtype} {tuple(parts.shape)}")
