@@ -156,9 +156,11 @@ def smollm2_folder() -> Path:
 @functools.cache
 def tiny_model_folder(kind: str) -> Path:
     """A tiny random float32 model saved as a real HF folder (config, safetensors, generation
-    config, SmolLM2 tokenizer). Deterministic: seed 0. Built once per process."""
+    config, SmolLM2 tokenizer). Deterministic: seed 0. Built once per process. "KIND:bf16": the
+    same model saved in bfloat16, as most published checkpoints are."""
     torch.manual_seed(0)
-    config = _config(kind)
+    family, _, saved = kind.partition(":")
+    config = _config(family)
     model = AutoModelForCausalLM.from_config(config).eval()
     gen = torch.Generator().manual_seed(1)
     one = 0.0 if config.model_type.startswith("gemma") else 1.0  # Gemma's norms are 1 + w
@@ -172,7 +174,9 @@ def tiny_model_folder(kind: str) -> Path:
         # Final norm x4: logits x4 (argmax unchanged), top-two gaps median ~2, near ties ~0.05%.
         norm = model.model.norm.weight
         norm.copy_((norm + 1 - one) * 4.0 - (1 - one))
-    folder = _tiny_root() / kind
+    if saved == "bf16":
+        model = model.to(torch.bfloat16)
+    folder = _tiny_root() / kind.replace(":", "-")
     model.save_pretrained(folder)
     tokenizer_of_tiny_models().save_pretrained(folder)
     return folder
