@@ -41,6 +41,8 @@ def path(request, kernel, monkeypatch):
             fn = getattr(cpu_linear, name)
             monkeypatch.setattr(cpu_linear, name, functools.partial(_with_parts, fn))
         if request.param == "pruned":
+            if getattr(request.node, "callspec", None) and request.node.callspec.params.get("bias"):
+                pytest.skip("a bias: the argmax takes the whole product, as on the amx path")
             monkeypatch.setattr(cpu_linear, "linear_argmax",
                                 functools.partial(_with_bounds, _ARGMAX))
     return request.param
@@ -191,9 +193,10 @@ def test_a_weight_of_fewer_bits_streams_fewer_parts_with_the_same_sums(path, kin
     gen = torch.Generator().manual_seed(11)
     n, k = 211, 333
     assert cpu_linear.split_parts(packed(torch.randn(n, k, generator=gen), None)[0]).shape[1] == 3
-    w = dequantized(n, k, gen)
     if kind == "bfloat16":
         w = torch.randn(n, k, generator=gen).bfloat16().float()
+    else:
+        w = dequantized(n, k, gen)
     b = torch.randn(n, generator=gen)
     panels, pb = packed(w, b)
     few = cpu_linear.split_parts(panels)

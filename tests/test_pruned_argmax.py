@@ -32,28 +32,87 @@ def high_logits(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:  # [m, n] flo
     return (xh + _bf16(x.double() - xh)) @ _bf16(w).T
 
 
-def argmax_of(x, w):
+def argmax_of(x, w, *, ran: bool = True):
+    """(the pruned argmax, the whole product's, its logits, the pruned call's exact panel tiles);
+    ran: assert that the pruned pass answered (no fallback to the whole product)"""
     panels = cpu_linear.pack_panels(w)
     parts = cpu_linear.split_parts(panels)
     bounds = cpu_linear.argmax_bounds(panels)
     n = w.shape[0]
     pruned = cpu_linear.linear_argmax(x, panels, None, n, parts, bounds)
+    exact = cpu_linear.argmax_exact_panels()
+    if ran:
+        assert exact >= 0, "the whole product ran instead"
     whole = cpu_linear.linear_argmax(x, panels, None, n, parts)
+    assert cpu_linear.argmax_exact_panels() == -1
     logits = cpu_linear.linear(x, panels, None, n, parts)
-    return pruned, whole, logits
+    return pruned, whole, logits, exact
 
 
 @pytest.mark.parametrize("m", [1, 7, 16, 17, 40, 64, 97])
 def test_crowded_columns_give_the_whole_products_argmax(m):
+    """Many columns left in the running, many second-pass panels over several row tiles"""
     gen = torch.Generator().manual_seed(100 + m)
     n, k = 1000, 96
     x, w = crowded(m, n, k, gen)
-    pruned, whole, logits = argmax_of(x, w)
+    pruned, whole, logits, _ = argmax_of(x, w)
     assert torch.equal(whole, logits.argmax(dim=-1))
     assert torch.equal(pruned, whole)
     # the case is one where the first pass alone would answer wrongly on many rows
     wrong = (high_logits(x, w).argmax(dim=-1) != whole).sum().item()
     assert wrong >= max(1, m // 5), f"only {wrong} of {m} rows ranked wrongly by the high parts"
+
+
+@pytest.mark.parametrize("scale", [0.25, 1.0, 4.0])
+def test_rounding_errors_aligned_with_x_are_inside_the_bound(scale):
+    """The bound's worst case: x all equal and positive, a column B whose every value rounds down
+    to its bfloat16 h by 0.49 of a unit in the last place (its error lined up with x: Cauchy-
+    Schwarz is tight), and an earlier column A exact in bfloat16 whose high value beats B's by
+    over half of B's bound while B's exact value beats A's. The first pass ranks A first; the
+    answer must be B. B's error is 0.98 of the kernel's bound before its 1.25 margin; a bound
+    under about half of the kernel's (measured: a margin of 0.5 fails, 0.7 passes) or without
+    its ||w - wh|| term prunes B's panel and fails here."""
+    k, n = 256, 500
+    gen = torch.Generator().manual_seed(12)
+    x = torch.full((3, k), scale)
+    w = torch.randn(n, k, generator=gen) * 0.01
+    a_col, b_col = 37, 300
+    w[a_col] = 1.0
+    w[a_col, torch.randperm(k, generator=gen)[: int(0.3 * k)]] = 1 + 2.0**-7  # bfloat16 values
+    w[b_col] = 1 + 0.49 * 2.0**-7  # bfloat16 1.0 plus 0.49 ulp: its h is 1.0
+    assert torch.equal(_bf16(w[b_col]), torch.ones(k, dtype=torch.float64))
+    assert torch.equal(high_logits(x, w).argmax(dim=-1), torch.full((3,), a_col))
+    pruned, whole, logits, _ = argmax_of(x, w)
+    assert torch.equal(whole, torch.full((3,), b_col))
+    assert torch.equal(logits.argmax(dim=-1), whole)
+    assert torch.equal(pruned, whole)
+
+
+def test_negative_logits_and_a_partial_last_panel():
+    """Every logit below zero, the maximum in the last panel's 5 columns: the panel's padded
+    columns (a = 0 there) must not enter a row's best a - E"""
+    gen = torch.Generator().manual_seed(13)
+    n, k = 69, 40
+    x = torch.rand(8, k, generator=gen) + 0.5
+    w = -(torch.rand(n, k, generator=gen) + 0.5)
+    w[66] = -0.01  # the largest (least negative) logit, in the partial last panel
+    pruned, whole, logits, _ = argmax_of(x, w)
+    assert torch.equal(whole, torch.full((8,), 66))
+    assert torch.equal(logits.argmax(dim=-1), whole)
+    assert torch.equal(pruned, whole)
+
+
+def test_spread_logits_are_mostly_pruned():
+    """Logits spread as random weights give them: the second pass takes a few panels a row tile
+    (SmolLM2's real rows: ~6 of 3,072), not the whole product, or the first pass is all cost"""
+    gen = torch.Generator().manual_seed(14)
+    n, k, m = 8_000, 128, 32
+    w = torch.randn(n, k, generator=gen) * 0.05
+    x = torch.randn(m, k, generator=gen) * 3
+    pruned, whole, _, exact = argmax_of(x, w)
+    assert torch.equal(pruned, whole)
+    tiles, panels = m // 16, -(-n // 16)
+    assert tiles <= exact <= tiles * panels // 10, f"{exact} of {tiles * panels} panel tiles"
 
 
 def test_planted_ties_beyond_the_high_parts_take_the_first_column():
@@ -69,7 +128,7 @@ def test_planted_ties_beyond_the_high_parts_take_the_first_column():
         w[lo] = top
         w[mid] = top + torch.sign(x[r]) * top.abs() * 2.0**-12  # same h, a larger logit
         w[hi] = w[mid]  # an exact tie with mid, later
-    pruned, whole, logits = argmax_of(x, w)
+    pruned, whole, logits, _ = argmax_of(x, w)
     assert torch.equal(_bf16(w[cols[:, 0]]), _bf16(w[cols[:, 1]]))
     assert torch.equal(whole, cols[:, 1])
     assert torch.equal(logits.argmax(dim=-1), cols[:, 1])
@@ -83,7 +142,7 @@ def test_rows_apart_and_real_scale_logits():
     n, k = 49_157, 64
     w = torch.randn(n, k, generator=gen) * 0.05
     x = (torch.randn(24, k + 5, generator=gen) * 3)[:, 2 : k + 2]
-    pruned, whole, logits = argmax_of(x, w)
+    pruned, whole, logits, _ = argmax_of(x, w)
     assert torch.equal(whole, logits.argmax(dim=-1))
     assert torch.equal(pruned, whole)
 
@@ -97,12 +156,12 @@ def test_non_finite_values_take_the_whole_product():
     x = torch.randn(6, k, generator=gen)
     x[2, 5] = float("inf")
     x[4, 1] = float("nan")
-    pruned, _, logits = argmax_of(x, w)
+    pruned, _, logits, _ = argmax_of(x, w, ran=False)
     assert torch.equal(pruned, logits.argmax(dim=-1))
     w[77, 3] = w[250, 5] = float("nan")
     w[100, 0] = float("inf")
     x = torch.randn(6, k, generator=gen)
-    pruned, _, logits = argmax_of(x, w)
+    pruned, _, logits, _ = argmax_of(x, w, ran=False)
     assert torch.equal(pruned, logits.argmax(dim=-1))
 
 

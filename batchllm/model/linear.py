@@ -6,7 +6,8 @@ model's ops record says (ops.py picks the layout; its reasons are there).
             on a CPU with AMX-BF16 also split into the tile unit's bf16 parts (kernels/cpu/amx.h:
             exact to float32), which every product then takes: 1.4-2x the FMA tiles from 32
             rows; below, as fast where the weight needs two parts (4 bytes a weight streamed, as
-            the panels: SmolLM2's dequantized Q4_1 layers), a little slower where it needs three
+            the panels: SmolLM2's dequantized Q4_1 layers), a little slower where it needs three,
+            ~1.6x faster where it needs one (a bfloat16 checkpoint: 2 bytes a weight)
   "onednn"  CPU, float32, where that kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0):
             reordered into oneDNN's blocked format (`torch.ops.mkldnn._reorder_linear_weight`,
             what torch.compile's freezing pass does) and run with oneDNN's matmul. MKL's sgemm
@@ -15,8 +16,8 @@ model's ops record says (ops.py picks the layout; its reasons are there).
             -> oneDNN: 39 rows 58-65 -> 95-103 GFLOP/s, 16 rows 38-45 -> 59-74, 256 rows
             121-136 -> 135-153.
   "dense"   the weight as loaded, F.linear (CUDA, other dtypes)
-Either CPU layout replaces the dense weight (no extra memory; the AMX parts add 1x or 1.5x the
-panels).
+Either CPU layout replaces the dense weight (no extra memory; the AMX parts add 0.5x, 1x or
+1.5x the panels).
 """
 
 from __future__ import annotations

@@ -14,9 +14,9 @@
  * Why: a 16 x 16 x 32 tile product is 8,192 multiply-adds in 16 cycles where an AVX-512 core
  * does 32 a cycle, so six of them still beat the FMAs 2.7x; what bounds it is loading tiles (a
  * tile from L2 costs about two tile products), hence amx_group's x parts held for four panels.
- * W's parts are made once (1.5x the panels' bytes; 1x or 0.5x where l, or l and m, are all zero:
- * see the products' order below): split
- * per call, even by truncation, they cost more than the FMAs of a 16-row step.
+ * W's parts are made once (1.5x the panels' bytes; 1x or 0.5x where l, or l and m, are all
+ * zero: see the products' order below): split per call, even by truncation, they cost more than
+ * the FMAs of a 16-row step.
  *
  * Every product takes the unit, however few its rows: each y[r, j] is then the same sum in the
  * same order whatever M or the tile its row falls in, so a row's values do not depend on the
@@ -93,15 +93,16 @@ static void amx_configure(void) {
 
 /* y tiles [16, 16] of x rows [m, m + 16) against panels t < np <= 4 of a group, out[t] = bias[t]
  * + x . panel t, from their parts (xs: [3][Mp][Kp]; panel t's at w + t * w_panel,
- * [wp][Kp / 2][32]): per step of k, x's three parts loaded once into tiles 4-6 for the
- * group's four panels, each panel's parts one after another through tile 7: 11 tile loads for
- * 20 products with two parts of W, 15 for 24 with three, where 2 x 2 output tiles took 18 for
- * 24 (a tile load from L2 costs about two products). */
+ * [wp][Kp / 2][32]): per step of k, x's parts loaded once into tiles 4-6 for the group's four
+ * panels, each panel's parts one after another through tile 7: 11 tile loads for 20 products
+ * with two parts of W, 15 for 24 with three, 7 for 12 with one, where 2 x 2 output tiles took
+ * 18 for 24 (a tile load from L2 costs about two products). xp = 2 takes x's h and m alone
+ * (with wp = 1: amx_argmax.h's first pass, hh and mh). */
 static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, int64_t Mp,
                                                             int64_t Kp, int64_t m,
                                                             const uint16_t *w, int64_t w_panel,
-                                                            int np, int wp, const float *bias,
-                                                            float *out) {
+                                                            int np, int wp, int xp,
+                                                            const float *bias, float *out) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2; /* bytes between x rows */
     _tile_loadd(0, bias, 64);
@@ -112,14 +113,14 @@ static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, 
         const uint16_t *x = xs + m * Kp + k;
         _tile_loadd(4, x, ld);
         _tile_loadd(5, x + plane, ld);
-        _tile_loadd(6, x + 2 * plane, ld);
+        if (xp > 2) _tile_loadd(6, x + 2 * plane, ld);
 #define PANEL_PRODUCTS(t)                                           \
         if (np > (t)) {                                             \
             const uint16_t *wt = w + (t) * w_panel + k * 16;        \
             _tile_loadd(7, wt, 64);                                 \
             _tile_dpbf16ps(t, 4, 7);                                \
             _tile_dpbf16ps(t, 5, 7);                                \
-            _tile_dpbf16ps(t, 6, 7);                                \
+            if (xp > 2) _tile_dpbf16ps(t, 6, 7);                    \
             if (wp > 1) {                                           \
                 _tile_loadd(7, wt + wplane, 64);                    \
                 _tile_dpbf16ps(t, 4, 7);                            \
@@ -140,6 +141,21 @@ static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, 
     if (np > 1) _tile_stored(1, out + 256, 64);
     if (np > 2) _tile_stored(2, out + 512, 64);
     if (np > 3) _tile_stored(3, out + 768, 64);
+}
+
+/* amx_group with all of x's parts and W's wp (1-3, a variable here), each form compiled apart */
+static inline __attribute__((always_inline)) void amx_group_exact(const uint16_t *xs,
+                                                                  int64_t Mp, int64_t Kp,
+                                                                  int64_t m, const uint16_t *w,
+                                                                  int64_t w_panel, int np,
+                                                                  int wp, const float *bias,
+                                                                  float *out) {
+    if (wp == 3)
+        amx_group(xs, Mp, Kp, m, w, w_panel, np, 3, 3, bias, out);
+    else if (wp == 2)
+        amx_group(xs, Mp, Kp, m, w, w_panel, np, 2, 3, bias, out);
+    else
+        amx_group(xs, Mp, Kp, m, w, w_panel, np, 1, 3, bias, out);
 }
 
 /* A grow-only buffer of the calling thread's (x's parts), 64-byte aligned; NULL when memory is
@@ -216,12 +232,7 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
                     fill_bias(biases + t * 256, bias ? bias + (p0 + t) * NR : 0);
                 for (int64_t m = m0; m < m1; m += AMX_ROWS) {
                     const int64_t rows = m1 - m < AMX_ROWS ? m1 - m : AMX_ROWS;
-                    if (wp == 3)
-                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 3, biases, out);
-                    else if (wp == 2)
-                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 2, biases, out);
-                    else
-                        amx_group(xs, Mp, Kp, m, w, w_parts, np, 1, biases, out);
+                    amx_group_exact(xs, Mp, Kp, m, w, w_parts, np, wp, biases, out);
                     for (int t = 0; t < np; t++) {
                         const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
                         emit(out + t * 256, rows, cols, m, p, y, N, best);

@@ -10,21 +10,24 @@
  *           <= ||x|| (1 + 2^-15) ||w_v - wh_v|| + ((8K + 8) 2^-24 1.02 + 2^-16) ||x|| ||w_v||
  *
  * (Cauchy-Schwarz on each; |x - xh - xm| <= 2^-16 |x| from two round-to-nearest splits; each
- * product the unit adds is rounded once: 2K for a, 6K for z; the norms of W's columns are made
- * once, bounds[], rounded up), taken 1.25 times over so that the float32 arithmetic of the
- * bound itself is inside it. Every column whose a + E reaches the row's highest a - E may hold
- * the row's maximum; no other can (its z is below that column's). The second pass computes, on
- * the tile unit with all parts, every panel that holds such a column for any row of a row tile,
- * exactly as amx_product does (each y value is its own sum in a fixed order, whatever panels or
- * rows its tile holds), and folds those values: the same index as the whole product, the first
- * maximum on ties (a tied column's z equals the maximum, so it is a candidate too). Values the
- * unit flushes to zero (below 2^-126) add a last, absolute term (row_coefficients). Measured on
+ * product the unit adds is rounded once, to nearest (TDPBF16PS: round to nearest even, inputs
+ * and results below 2^-126 taken as zero): 2K for a, 6K for z; the norms of W's columns are
+ * made once, bounds[], in float64 and rounded up), taken 1.25 times over so that the float32
+ * arithmetic of the bound itself is inside it. Every column whose a + E reaches the row's
+ * highest a - E may hold the row's maximum; no other can (its z is below that column's). The
+ * second pass computes, on the tile unit with all parts, every panel that holds such a column
+ * for any row of a row tile, exactly as amx_product does (each y value is its own sum in a fixed
+ * order, whatever panels or rows its tile holds), and folds those values: the same index as the
+ * whole product, the first maximum on ties (a tied column's z equals the maximum, so it is a
+ * candidate too). Values the unit flushes to zero (below 2^-126) add two more terms
+ * (row_coefficients). Measured on
  * SmolLM2 over the short job's 1,917 greedy rows in 148 row tiles: 6.1 panels of 3,072 exact a
  * row tile; the lm_head's time in that run 0.56 -> 0.22 s (decode steps of <= 16 rows 5.9 ->
  * 2.2 ms: the h part's 57 MB).
  *
- * A row with a non-finite x or a (NaN, an infinity, an overflow) has no such bound: the whole
- * product runs instead (returns 0), as does a weight with a bias (the lm_heads here have none).
+ * A call with a non-finite x or a (NaN, an infinity), or where ||x|| ||w_v|| reaches 2^120 (a
+ * sum of z could overflow), has no such bound: the whole product runs instead (returns 0), as
+ * it does for a weight with a bias (the lm_heads here have none).
  */
 #ifndef BATCHLLM_CPU_AMX_ARGMAX_H
 #define BATCHLLM_CPU_AMX_ARGMAX_H
@@ -32,75 +35,58 @@
 #ifdef HAVE_AMX
 #include <float.h>
 
-#define BOUND_MARGIN 1.25f
+#define BOUND_MARGIN 1.25
+
+/* Exact panel tiles the last amx_argmax computed, -1 where it gave no answer (a test's view) */
+static int64_t amx_argmax_exact = -1;
 
 /* bounds [2][16 count]: for each column v of W (a lane of its panel), ||w_v - bf16(w_v)|| and
- * ||w_v|| (float32 sums of K squares, within K 2^-24 of themselves: rounded up by 2^-12) */
+ * ||w_v||, summed in float64 (no square underflows) and rounded up to float32 */
 static void amx_bounds(const float *panels, int64_t count, int64_t K, float *bounds) {
-    const __m512 up = _mm512_set1_ps(1.f + 1.f / 4096.f);
 #pragma omp parallel for schedule(static)
     for (int64_t p = 0; p < count; p++) {
-        __m512 d2 = _mm512_setzero_ps(), w2 = _mm512_setzero_ps();
+        __m512d d2[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
+        __m512d w2[2] = {_mm512_setzero_pd(), _mm512_setzero_pd()};
         for (int64_t k = 0; k < K; k++) {
             const __m512 v = _mm512_loadu_ps(panels + (p * K + k) * NR);
             const __m512 d = _mm512_sub_ps(v, bf16_float(_mm512_cvtneps_pbh(v)));
-            d2 = _mm512_fmadd_ps(d, d, d2);
-            w2 = _mm512_fmadd_ps(v, v, w2);
+            for (int half = 0; half < 2; half++) {
+                const __m512d dh = _mm512_cvtps_pd(half ? _mm512_extractf32x8_ps(d, 1)
+                                                        : _mm512_castps512_ps256(d));
+                const __m512d vh = _mm512_cvtps_pd(half ? _mm512_extractf32x8_ps(v, 1)
+                                                        : _mm512_castps512_ps256(v));
+                d2[half] = _mm512_fmadd_pd(dh, dh, d2[half]);
+                w2[half] = _mm512_fmadd_pd(vh, vh, w2[half]);
+            }
         }
-        _mm512_storeu_ps(bounds + p * NR, _mm512_mul_ps(_mm512_sqrt_ps(d2), up));
-        _mm512_storeu_ps(bounds + count * NR + p * NR, _mm512_mul_ps(_mm512_sqrt_ps(w2), up));
+        double d[NR], w[NR];
+        for (int half = 0; half < 2; half++) {
+            _mm512_storeu_pd(d + 8 * half, _mm512_sqrt_pd(d2[half]));
+            _mm512_storeu_pd(w + 8 * half, _mm512_sqrt_pd(w2[half]));
+        }
+        for (int j = 0; j < NR; j++) { /* (1 + 2^-20) covers the sum's and sqrt's rounding */
+            bounds[p * NR + j] = nextafterf((float)(d[j] * (1 + 0x1p-20)), INFINITY);
+            bounds[(count + p) * NR + j] = nextafterf((float)(w[j] * (1 + 0x1p-20)), INFINITY);
+        }
     }
 }
 
-/* y tiles of x rows [m, m + 16) against panels t < np <= 4 of a group from W's h part alone:
- * out[t] = (xh + xm) . wh (two products, one tile load of W a panel and step of k) */
-static inline __attribute__((always_inline)) void amx_group_high(const uint16_t *xs, int64_t Mp,
-                                                                 int64_t Kp, int64_t m,
-                                                                 const uint16_t *w,
-                                                                 int64_t w_panel, int np,
-                                                                 float *out) {
-    const int64_t plane = Mp * Kp, ld = Kp * 2;
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    for (int64_t k = 0; k < Kp; k += AMX_K) {
-        const uint16_t *x = xs + m * Kp + k;
-        _tile_loadd(4, x, ld);
-        _tile_loadd(5, x + plane, ld);
-#define HIGH_PRODUCTS(t)                                        \
-        if (np > (t)) {                                         \
-            _tile_loadd(7, w + (t) * w_panel + k * 16, 64);     \
-            _tile_dpbf16ps(t, 4, 7);                            \
-            _tile_dpbf16ps(t, 5, 7);                            \
-        }
-        HIGH_PRODUCTS(0)
-        HIGH_PRODUCTS(1)
-        HIGH_PRODUCTS(2)
-        HIGH_PRODUCTS(3)
-#undef HIGH_PRODUCTS
-    }
-    _tile_stored(0, out, 64);
-    if (np > 1) _tile_stored(1, out + 256, 64);
-    if (np > 2) _tile_stored(2, out + 512, 64);
-    if (np > 3) _tile_stored(3, out + 768, 64);
-}
-
-/* Each row's bound coefficients: E[r, v] = c[r] D_v + c[M + r] W_v + c[2M + r], the last for
- * the values the unit flushes to zero (bf16 inputs below 2^-126, and such products: at most
- * 2^-126 |x_k| or 2^-126 each, <= sqrt(K) ||x|| 2^-126 + 6K 2^-126 in all); 0 where a row's x
- * is not finite (its norm overflows or is NaN) */
-static int row_coefficients(const float *x, int64_t M, int64_t lda, int64_t K, float *c) {
-    const double rounding = (8.0 * K + 8.0) * 1.02 / 16777216.0 + 1.0 / 65536.0;
-    const double flushed = ldexp(1.0, -120); /* 2^-126, 64 times over */
+/* Each row's bound coefficients, E[r, v] = c[r] D_v + c[M + r] W_v + c[2M + r]; the last two
+ * also hold what the unit flushes to zero (a part of x or of W below 2^-126, a product below
+ * it: each at most 2^-126 |w_k|, 2^-126 |x_k| or 2^-126, so <= 2^-125 sqrt(K) W_v +
+ * sqrt(K) ||x|| 2^-126 + 6K 2^-126 in all). 0 where a row's x is not finite or ||x|| max_v W_v
+ * reaches 2^120. */
+static int row_coefficients(const float *x, int64_t M, int64_t lda, int64_t K, float max_w,
+                            float *c) {
+    const double rounding = (8.0 * K + 8.0) * 1.02 * 0x1p-24 + 0x1p-16, root = sqrt((double)K);
     for (int64_t r = 0; r < M; r++) {
         double s = 0;
         for (int64_t k = 0; k < K; k++) s += (double)x[r * lda + k] * x[r * lda + k];
         const double norm = sqrt(s) * (1 + 1e-6);
-        if (!(norm < 1e30)) return 0;
-        c[r] = (float)(BOUND_MARGIN * norm * (1 + 1.0 / 32768.0));
-        c[M + r] = (float)(BOUND_MARGIN * norm * rounding);
-        c[2 * M + r] = (float)(BOUND_MARGIN * flushed * (sqrt((double)K) * norm + 6.0 * K));
+        if (!(norm * max_w < 0x1p120)) return 0; /* also NaN, infinities */
+        c[r] = (float)(BOUND_MARGIN * norm * (1 + 0x1p-15));
+        c[M + r] = (float)(BOUND_MARGIN * (norm * rounding + root * 0x1p-125));
+        c[2 * M + r] = (float)(BOUND_MARGIN * 0x1p-120 * (root * norm + 6.0 * K));
     }
     return 1;
 }
@@ -128,7 +114,8 @@ static int tile_bounds(const float *out, int64_t rows, int64_t cols, int64_t m, 
 }
 
 /* The first pass, over every panel in parallel (each thread an even share, four at a time):
- * upper [M][count] and each row's highest a - E in low[thread][M]; 0 where some a is not finite */
+ * a = (xh + xm) . wh (amx_group with x's two parts and W's first), upper [M][count] and each
+ * row's highest a - E in low[thread][M]; 0 where some a is not finite */
 static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, const uint16_t *parts,
                      int64_t w_parts, int64_t N, const float *c, const float *bounds,
                      float *upper, float *low) {
@@ -142,13 +129,14 @@ static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, cons
         team = omp_get_num_threads();
 #endif
         const int64_t first = count * thread / team, last = count * (thread + 1) / team;
+        float zeros[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
         float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         amx_configure();
         for (int64_t p0 = first; ok && p0 < last; p0 += AMX_GROUP) {
             const int np = last - p0 < AMX_GROUP ? last - p0 : AMX_GROUP;
             for (int64_t m = 0; ok && m < M; m += AMX_ROWS) {
                 const int64_t rows = M - m < AMX_ROWS ? M - m : AMX_ROWS;
-                amx_group_high(xs, Mp, Kp, m, parts + p0 * w_parts, w_parts, np, out);
+                amx_group(xs, Mp, Kp, m, parts + p0 * w_parts, w_parts, np, 1, 2, zeros, out);
                 for (int t = 0; ok && t < np; t++) {
                     const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
                     ok = tile_bounds(out + t * 256, rows, cols, m, p, count, c, M, bounds, upper,
@@ -161,68 +149,78 @@ static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, cons
     return ok;
 }
 
-/* The second pass, on the calling thread: for each row tile, every panel where one of its rows
- * has a column with a + E >= the row's highest a - E (low), exactly (all of W's parts, as
- * amx_product), folded into best */
-static void exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
-                       const uint16_t *parts, int wp, int64_t N, const float *upper,
-                       const float *low, Best *best) {
+/* The second pass: every (row tile, panel) where one of the tile's rows has a column with
+ * a + E >= the row's highest a - E (low), exactly (all parts, as amx_product), in parallel over
+ * those pairs, each thread folding into its own bests[thread]. Returns how many it computed. */
+static int64_t exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
+                          const uint16_t *parts, int wp, int64_t N, const float *upper,
+                          const float *low, int64_t *pairs, Best *bests) {
     const int64_t count = (N + NR - 1) / NR, w_parts = wp * Kp * NR;
-    float zeros[AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
-    float out[AMX_ROWS * NR] __attribute__((aligned(64)));
-    amx_configure();
+    int64_t n = 0;
     for (int64_t m = 0; m < M; m += AMX_ROWS) {
         const int64_t rows = M - m < AMX_ROWS ? M - m : AMX_ROWS;
         for (int64_t p = 0; p < count; p++) {
             int64_t r = 0;
             while (r < rows && upper[(m + r) * count + p] < low[m + r]) r++;
-            if (r == rows) continue;
-            const uint16_t *w = parts + p * w_parts;
-            if (wp == 3)
-                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 3, zeros, out);
-            else if (wp == 2)
-                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 2, zeros, out);
-            else
-                amx_group(xs, Mp, Kp, m, w, w_parts, 1, 1, zeros, out);
-            fold(best, out, rows, N - p * NR < NR ? N - p * NR : NR, m, p);
+            if (r < rows) pairs[n++] = m / AMX_ROWS * count + p;
         }
     }
-    _tile_release();
+#pragma omp parallel if (n * AMX_ROWS * NR * Kp >= PARALLEL_MACS)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float zeros[AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
+        float out[AMX_ROWS * NR] __attribute__((aligned(64)));
+        amx_configure();
+#pragma omp for schedule(static)
+        for (int64_t i = 0; i < n; i++) {
+            const int64_t m = pairs[i] / count * AMX_ROWS, p = pairs[i] % count;
+            const int64_t rows = M - m < AMX_ROWS ? M - m : AMX_ROWS;
+            amx_group_exact(xs, Mp, Kp, m, parts + p * w_parts, w_parts, 1, wp, zeros, out);
+            fold(bests + thread, out, rows, N - p * NR < NR ? N - p * NR : NR, m, p);
+        }
+        _tile_release();
+    }
+    return n;
 }
 
-/* ids [M] = the argmax of x W^T over W's N columns (no bias), as cpu_linear_argmax's whole
- * product gives it; W's parts [count][wp][Kp / 2][32], bounds from amx_bounds. Returns 0
- * where it gives no answer (memory short, a value not finite): then the whole product runs. */
+/* bests[0 .. threads) [M] (val, ids; ids -1 at first) = each thread's share of the argmax of
+ * x W^T over W's N columns (no bias), to be merged as cpu_linear_argmax merges the whole
+ * product's; W's parts [count][wp][Kp / 2][32], bounds from amx_bounds. Returns 0 where it
+ * gives no answer (memory short, a value not finite, a sum that could overflow): then the
+ * whole product runs. */
 static int amx_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
-                      int wp, const float *bounds, int64_t N, int64_t *ids) {
+                      int wp, const float *bounds, int64_t N, int threads, Best *bests) {
     const int64_t count = (N + NR - 1) / NR;
     const int64_t Mp = (M + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-    int threads = 1;
-#ifdef _OPENMP
-    threads = omp_get_max_threads();
-#endif
+    float max_w = 0;
+    for (int64_t j = 0; j < count * NR; j++)
+        max_w = bounds[count * NR + j] > max_w ? bounds[count * NR + j] : max_w;
     float *c = malloc(sizeof(float) * 3 * M), *upper = malloc(sizeof(float) * M * count);
     float *low = malloc(sizeof(float) * threads * M);
+    int64_t *pairs = malloc(sizeof(int64_t) * (Mp / AMX_ROWS) * count);
     const uint16_t *xs = 0;
-    int ok = c && upper && low && row_coefficients(x, M, lda, K, c);
+    int ok = c && upper && low && pairs && row_coefficients(x, M, lda, K, max_w, c);
     if (ok) xs = x_parts(x, M, lda, K, Mp, Kp);
     if (ok && xs) {
         for (int64_t i = 0; i < threads * M; i++) low[i] = -FLT_MAX;
         ok = high_pass(xs, M, Mp, Kp, parts, wp * Kp * NR, N, c, bounds, upper, low);
     }
     ok = ok && xs;
+    amx_argmax_exact = -1;
     if (ok) {
         for (int t = 1; t < threads; t++)
             for (int64_t r = 0; r < M; r++)
                 if (low[t * M + r] > low[r]) low[r] = low[t * M + r];
-        for (int64_t r = 0; r < M; r++) ids[r] = -1;
-        Best best = {c, ids}; /* the coefficients are spent: c holds the best values */
-        exact_pass(xs, M, Mp, Kp, parts, wp, N, upper, low, &best);
+        amx_argmax_exact = exact_pass(xs, M, Mp, Kp, parts, wp, N, upper, low, pairs, bests);
     }
     free(c);
     free(upper);
     free(low);
+    free(pairs);
     return ok;
 }
 

@@ -260,13 +260,6 @@ void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *
 void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                        const uint16_t *parts, int64_t w_parts, const float *bias,
                        const float *bounds, int64_t N, int64_t *ids) {
-#ifdef HAVE_AMX
-    if (parts && bounds && !bias && cpu_linear_amx() &&
-        amx_argmax(x, M, lda, K, parts, (int)w_parts, bounds, N, ids))
-        return;
-#else
-    (void)bounds;
-#endif
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -276,7 +269,15 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     Best *bests = malloc(sizeof(Best) * threads);
     for (int t = 0; t < threads; t++) bests[t] = (Best){val + t * M, at + t * M};
     for (int64_t i = 0; i < threads * M; i++) at[i] = -1;
-    product(x, M, lda, K, panels, parts, w_parts, bias, N, 0, bests);
+    int pruned = 0;
+#ifdef HAVE_AMX
+    amx_argmax_exact = -1;
+    pruned = parts && bounds && !bias && cpu_linear_amx() &&
+             amx_argmax(x, M, lda, K, parts, (int)w_parts, bounds, N, threads, bests);
+#else
+    (void)bounds;
+#endif
+    if (!pruned) product(x, M, lda, K, panels, parts, w_parts, bias, N, 0, bests);
     for (int64_t r = 0; r < M; r++) {
         float v = val[r];
         int64_t id = at[r];
@@ -290,4 +291,14 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     free(val);
     free(at);
     free(bests);
+}
+
+/* How many (row tile, panel) pairs the last cpu_linear_argmax computed exactly after its first
+ * pass; -1 where it ran the whole product (no bounds, a bias, a value not finite): for tests */
+int64_t cpu_linear_argmax_exact_panels(void) {
+#ifdef HAVE_AMX
+    return amx_argmax_exact;
+#else
+    return -1;
+#endif
 }
