@@ -180,6 +180,19 @@ static const uint16_t *x_parts(const float *x, int64_t M, int64_t lda, int64_t K
     return xs;
 }
 
+/* The calling thread's number in its OpenMP team and its even share [first, last) of count
+ * panels (36 panels in groups of 4 would split 5 : 4) */
+static inline int team_share(int64_t count, int64_t *first, int64_t *last) {
+    int thread = 0, team = 1;
+#ifdef _OPENMP
+    thread = omp_get_thread_num();
+    team = omp_get_num_threads();
+#endif
+    *first = count * thread / team;
+    *last = count * (thread + 1) / team;
+    return thread;
+}
+
 /* out tile [16, 16] of rows m.. and panel p: its first rows x cols into y, or folded into best */
 static inline void emit(const float *out, int64_t rows, int64_t cols, int64_t m, int64_t p,
                         float *y, int64_t N, Best *best) {
@@ -212,13 +225,8 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
     if (block < AMX_ROWS) block = AMX_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
-        int thread = 0, threads = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        threads = omp_get_num_threads();
-#endif
-        /* this thread's panels: an even share (36 panels in groups of 4 would split 5 : 4) */
-        const int64_t first = count * thread / threads, last = count * (thread + 1) / threads;
+        int64_t first, last;
+        const int thread = team_share(count, &first, &last);
         float biases[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         Best *best = bests ? bests + thread : 0;

@@ -123,12 +123,8 @@ static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, cons
     int ok = 1;
 #pragma omp parallel if (M * count * NR * Kp >= PARALLEL_MACS) reduction(& : ok)
     {
-        int thread = 0, team = 1;
-#ifdef _OPENMP
-        thread = omp_get_thread_num();
-        team = omp_get_num_threads();
-#endif
-        const int64_t first = count * thread / team, last = count * (thread + 1) / team;
+        int64_t first, last;
+        const int thread = team_share(count, &first, &last);
         float zeros[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
         float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         amx_configure();
