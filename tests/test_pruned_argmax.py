@@ -147,9 +147,10 @@ def test_rows_apart_and_real_scale_logits():
     assert torch.equal(pruned, whole)
 
 
-def test_non_finite_values_take_the_whole_product():
-    """A NaN or an infinity in x or W leaves no bound: the same index as torch.argmax of the
-    whole product's logits (NaN highest, the first of them)"""
+def test_values_without_a_bound_take_the_whole_product():
+    """A NaN or an infinity in x or W, or an x too large for the bound's float32 coefficients,
+    leaves no bound: the same index as torch.argmax of the whole product's logits (NaN
+    highest, the first of them)"""
     gen = torch.Generator().manual_seed(4)
     n, k = 300, 40
     w = torch.randn(n, k, generator=gen)
@@ -157,6 +158,10 @@ def test_non_finite_values_take_the_whole_product():
     x[2, 5] = float("inf")
     x[4, 1] = float("nan")
     pruned, _, logits, _ = argmax_of(x, w, ran=False)
+    assert torch.equal(pruned, logits.argmax(dim=-1))
+    huge = torch.randn(6, k, generator=gen) * 1e31  # ||x|| past 2^100, its logits finite
+    pruned, _, logits, exact = argmax_of(huge, w, ran=False)
+    assert exact == -1
     assert torch.equal(pruned, logits.argmax(dim=-1))
     w[77, 3] = w[250, 5] = float("nan")
     w[100, 0] = float("inf")

@@ -74,8 +74,8 @@ static void amx_bounds(const float *panels, int64_t count, int64_t K, float *bou
 /* Each row's bound coefficients, E[r, v] = c[r] D_v + c[M + r] W_v + c[2M + r]; the last two
  * also hold what the unit flushes to zero (a part of x or of W below 2^-126, a product below
  * it: each at most 2^-126 |w_k|, 2^-126 |x_k| or 2^-126, so <= 2^-125 sqrt(K) W_v +
- * sqrt(K) ||x|| 2^-126 + 6K 2^-126 in all). 0 where a row's x is not finite or ||x|| max_v W_v
- * reaches 2^120. */
+ * sqrt(K) ||x|| 2^-126 + 6K 2^-126 in all). 0 where a row's x is not finite, ||x|| reaches
+ * 2^100 (the coefficients stay finite) or ||x|| max_v W_v reaches 2^120 (no sum overflows). */
 static int row_coefficients(const float *x, int64_t M, int64_t lda, int64_t K, float max_w,
                             float *c) {
     const double rounding = (8.0 * K + 8.0) * 1.02 * 0x1p-24 + 0x1p-16, root = sqrt((double)K);
@@ -83,7 +83,7 @@ static int row_coefficients(const float *x, int64_t M, int64_t lda, int64_t K, f
         double s = 0;
         for (int64_t k = 0; k < K; k++) s += (double)x[r * lda + k] * x[r * lda + k];
         const double norm = sqrt(s) * (1 + 1e-6);
-        if (!(norm * max_w < 0x1p120)) return 0; /* also NaN, infinities */
+        if (!(norm < 0x1p100 && norm * max_w < 0x1p120)) return 0; /* also NaN, infinities */
         c[r] = (float)(BOUND_MARGIN * norm * (1 + 0x1p-15));
         c[M + r] = (float)(BOUND_MARGIN * (norm * rounding + root * 0x1p-125));
         c[2 * M + r] = (float)(BOUND_MARGIN * 0x1p-120 * (root * norm + 6.0 * K));
