@@ -55,17 +55,15 @@ static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *part
         __m256bh ah, am, al, bh, bm, bl;
         split3(a, &ah, &am, &al);
         split3(b, &bh, &bm, &bl);
-#define INTERLEAVE(x, y)                                                                     \
-    _mm512_permutexvar_epi16(                                                                \
-        pairs, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1))
 #define JOINED(x, y) _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1)
+#define INTERLEAVE(x, y) _mm512_permutexvar_epi16(pairs, JOINED(x, y))
         _mm512_store_si512(parts + k * 16, INTERLEAVE(ah, bh));
         if (planes > 1) _mm512_store_si512(parts + plane + k * 16, INTERLEAVE(am, bm));
         if (planes > 2) _mm512_store_si512(parts + 2 * plane + k * 16, INTERLEAVE(al, bl));
         mid = _mm512_or_si512(mid, _mm512_and_si512(JOINED(am, bm), magnitude));
         low = _mm512_or_si512(low, _mm512_and_si512(JOINED(al, bl), magnitude));
-#undef JOINED
 #undef INTERLEAVE
+#undef JOINED
     }
     return (_mm512_test_epi16_mask(mid, mid) != 0) | (_mm512_test_epi16_mask(low, low) != 0) << 1;
 }
