@@ -209,10 +209,10 @@ static inline void fill_bias(float *tile, const float *bias) {
 }
 
 /* The product on the tile unit, W's parts split once at load (cpu_linear_split; wp of them,
- * [count][wp][Kp / 2][32]): x split once a call; each thread an even share of
- * the panels, four at a time, a block of rows at a time (rows whose parts fit in L2), one row
- * tile after another against the four (their parts from L2 after the first). Returns 0 where x's
- * parts do not fit in memory (then the FMA tiles run). */
+ * [count][wp][Kp / 2][32]): x split once a call; each thread an even share of the panels, four
+ * at a time, a block of rows at a time (rows whose parts fit in L2), one row tile after another
+ * against the four (their parts from L2 after the first). Returns 0 where x's parts do not fit
+ * in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
                        int wp, const float *bias, int64_t N, float *y, Best *bests) {
     const int64_t count = (N + NR - 1) / NR;
