@@ -1,17 +1,27 @@
-"""Micro-benchmark: the CPU projection kernel (kernels/cpu/linear.c) on SmolLM2-135M's shapes,
-with the weights streamed from memory as in a decode step, against this machine's bandwidth.
+"""Micro-benchmark: the CPU projection kernel (kernels/cpu/linear.c, amx.h) on SmolLM2-135M's
+shapes, with the weights streamed from memory as in a decode step, against this machine's bandwidth.
 
   python scripts/bench_linear.py                     # bandwidth, then the table for M = 1..64
   python scripts/bench_linear.py --rows 16,32 --repeat 3
+  python scripts/bench_linear.py --cached            # one layer's weights for all 30: no stream
+  python scripts/bench_linear.py --weights float32   # three parts a weight (a float32 checkpoint)
+  python scripts/bench_linear.py --fma               # the AVX-512 FMA tiles instead of the tile unit
   python scripts/bench_linear.py --bandwidth-only
 
 Bandwidth: a sum over a 1 GiB float32 buffer (far beyond the caches) with torch at 1 and 2
 threads, the best of --repeat. The projections: 30 layers of distinct packed weights (qkv
-576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and the lm_head 576 -> 49,152,
-~538 MB in all, run in the model's order for one step of M rows; each call timed, the best of
---repeat steps kept per shape. The floor of a step is max(bytes / bandwidth, flops / peak): at
-these sizes the bytes (the weights read once per step) dominate, so the table shows the step's
-time against bytes / bandwidth ("floor %": 100 means the weights streamed at full bandwidth).
+576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and the lm_head 576 -> 49,152
+as greedy rows take it (its argmax, pruned on W's high part), run in the model's order for one
+step of M rows, as the engine runs them: on the tile unit from W's parts where the CPU has one.
+The weights are random values of the checkpoint's kind (--weights): q4_1 (default: d q + m of a
+4-bit q and float16 d, m a block of 32, as SmolLM2's layers, two parts a weight), float32 (three
+parts) or bf16 (one). Each call timed, the best of --repeat steps kept per shape. The floor of a
+step is max(bytes / bandwidth, flops / peak): at these sizes the bytes (the weights read once per
+step; the lm_head's high part) dominate, so the table shows the step's time against bytes /
+bandwidth ("floor %": 100 means the weights streamed at full bandwidth). --cached runs one
+layer's weights thirty times, so they come from the caches: the step's work without the stream.
+A streamed step of 17-64 rows takes about the stream plus the cached step's time past its first
+16 rows: the tile unit's loads from L2 for row tiles after the first do not overlap the stream.
 Figures only mean something on an idle machine (the script prints the load average).
 """
 
@@ -52,17 +62,42 @@ def bandwidth(threads: int, repeat: int, gib: float = 1.0) -> float:
     return buf.numel() * 4 / best / 1e9
 
 
-def make_weights() -> list[tuple[str, torch.Tensor, int]]:
-    """(shape name, panels, N) for every projection of one step, in the model's order."""
+def checkpoint_values(n: int, k: int, kind: str, gen: torch.Generator) -> torch.Tensor:
+    """Random weight [N, K] (K a multiple of 32) whose values are of the checkpoint's kind."""
+    if kind == "q4_1":  # d q + m, q in 0..15, d and m float16, a block of 32 along K
+        q = torch.randint(0, 16, (n, k // 32, 32), generator=gen).float()
+        d = (torch.rand(n, k // 32, 1, generator=gen) * (4 / 15 / k**0.5)).half().float()
+        return (d * q + (-7.5 * d).half().float()).reshape(n, k)
+    w = torch.randn(n, k, generator=gen) / k**0.5
+    return w.bfloat16().float() if kind == "bf16" else w
+
+
+def make_weights(kind: str, fma: bool, cached: bool) -> list[tuple]:
+    """(shape name, panels, parts or None, argmax bounds or None, N) for every projection of
+    one step, in the model's order; with cached, the first layer's weights for every layer."""
     gen = torch.Generator().manual_seed(0)
-    out = []
-    for _ in range(LAYERS):
-        for name, k, n in LAYER_SHAPES:
-            out.append((name, cpu_linear.pack_panels(torch.randn(n, k, generator=gen) / k**0.5),
-                        n))
-    name, k, n = HEAD
-    out.append((name, cpu_linear.pack_panels(torch.randn(n, k, generator=gen) / k**0.5), n))
+    amx = cpu_linear.uses_amx() and not fma
+
+    def packed(name: str, k: int, n: int) -> tuple:
+        panels = cpu_linear.pack_panels(checkpoint_values(n, k, kind, gen))
+        parts = cpu_linear.split_parts(panels) if amx else None
+        bounds = cpu_linear.argmax_bounds(panels) if amx and name == HEAD[0] else None
+        return name, panels, parts, bounds, n
+
+    layer = [packed(name, k, n) for name, k, n in LAYER_SHAPES]
+    out = list(layer)
+    for _ in range(LAYERS - 1):
+        out += layer if cached else [packed(name, k, n) for name, k, n in LAYER_SHAPES]
+    out.append(packed(*HEAD))
     return out
+
+
+def streamed_bytes(panels: torch.Tensor, parts: torch.Tensor | None, head: bool) -> int:
+    """Bytes a step reads of a weight: its parts (the lm_head's argmax: the high part alone,
+    at least), else its float32 panels."""
+    if parts is None:
+        return panels.numel() * 4
+    return parts[:, :1].numel() * 2 if head else parts.numel() * 2
 
 
 def step_times(weights, m: int, repeat: int) -> dict[str, float]:
@@ -71,10 +106,13 @@ def step_times(weights, m: int, repeat: int) -> dict[str, float]:
     best: dict[str, float] = {}
     for _ in range(repeat + 1):  # one warm-up step
         spent: dict[str, float] = {}
-        for name, panels, n in weights:
+        for name, panels, parts, bounds, n in weights:
             x = xs[panels.shape[1]]
             t0 = time.perf_counter()
-            cpu_linear.linear(x, panels, None, n)
+            if name == HEAD[0]:
+                cpu_linear.linear_argmax(x, panels, None, n, parts, bounds)
+            else:
+                cpu_linear.linear(x, panels, None, n, parts)
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         spent["step"] = sum(spent.values())
         best = {k: min(v, best.get(k, float("inf"))) for k, v in spent.items()}
@@ -86,6 +124,11 @@ def main() -> None:
     p.add_argument("--rows", default="1,4,8,16,24,32,40,64")
     p.add_argument("--repeat", type=int, default=3)
     p.add_argument("--bandwidth-only", action="store_true")
+    p.add_argument("--weights", choices=("q4_1", "float32", "bf16"), default="q4_1",
+                   help="the checkpoint's kind of values (default q4_1, as SmolLM2's)")
+    p.add_argument("--fma", action="store_true", help="the FMA tiles, not the tile unit")
+    p.add_argument("--cached", action="store_true",
+                   help="one layer's weights for all 30 (from the caches: no stream)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads of the products (default torch's; the floor uses its bandwidth)")
     a = p.parse_args()
@@ -97,26 +140,34 @@ def main() -> None:
     print(f"# streaming read of 1 GiB: 1 thread {bw[1]:.1f} GB/s, 2 threads {bw[2]:.1f} GB/s")
     if a.bandwidth_only:
         return
-    weights = make_weights()
+    weights = make_weights(a.weights, a.fma, a.cached)
+    planes = next((w[2].shape[1] for w in weights if w[2] is not None), 0)
+    print(f"# {a.weights} weights, " + (f"the tile unit, {planes} part(s) a weight"
+                                        if planes else "the FMA tiles, float32 panels")
+          + (", one layer's weights for all 30 (cached)" if a.cached else ""))
     shapes = [s[0] for s in LAYER_SHAPES] + [HEAD[0]]
     flops_per_row = {s: 0 for s in shapes}
     bytes_of = {s: 0 for s in shapes}
-    for name, panels, n in weights:
+    seen = set()
+    for name, panels, parts, _, n in weights:
         flops_per_row[name] += 2 * panels.shape[1] * n
-        bytes_of[name] += panels.numel() * 4
+        if id(panels) not in seen:  # cached: the same weight read again comes from the caches
+            bytes_of[name] += streamed_bytes(panels, parts, name == HEAD[0])
+            seen.add(id(panels))
     total_bytes = sum(bytes_of.values())
     rate = bw[min(threads, 2)]
     floor_s = total_bytes / (rate * 1e9)
-    print(f"# weights {total_bytes / 1e6:.0f} MB: a step's floor at {rate:.1f} GB/s is "
-          f"{floor_s * 1e3:.1f} ms")
+    print(f"# weights {total_bytes / 1e6:.0f} MB read from memory a step: at {rate:.1f} GB/s "
+          f"{floor_s * 1e3:.1f} ms" + (" (the rest from the caches: no floor %)" if a.cached
+                                       else ", the step's floor"))
     print(f"{'M':>3} " + " ".join(f"{s:>8}" for s in shapes)
           + f" {'step ms':>8} {'GFLOP/s':>8} {'floor %':>8}   (GFLOP/s per shape)")
     for m in (int(r) for r in a.rows.split(",")):
         t = step_times(weights, m, a.repeat)
         rates = " ".join(f"{flops_per_row[s] * m / t[s] / 1e9:8.1f}" for s in shapes)
         total = sum(flops_per_row.values()) * m / t["step"] / 1e9
-        print(f"{m:>3} {rates} {t['step'] * 1e3:8.2f} {total:8.1f} "
-              f"{100 * floor_s / t['step']:8.0f}", flush=True)
+        floor = "-" if a.cached else f"{100 * floor_s / t['step']:.0f}"
+        print(f"{m:>3} {rates} {t['step'] * 1e3:8.2f} {total:8.1f} {floor:>8}", flush=True)
 
 
 if __name__ == "__main__":
