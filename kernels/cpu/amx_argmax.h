@@ -125,14 +125,14 @@ static int high_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp, cons
     {
         int64_t first, last;
         const int thread = team_share(count, &first, &last);
-        float zeros[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
         float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         amx_configure();
         for (int64_t p0 = first; ok && p0 < last; p0 += AMX_GROUP) {
             const int np = last - p0 < AMX_GROUP ? last - p0 : AMX_GROUP;
             for (int64_t m = 0; ok && m < M; m += AMX_ROWS) {
                 const int64_t rows = M - m < AMX_ROWS ? M - m : AMX_ROWS;
-                amx_group(xs, Mp, Kp, m, parts + p0 * w_parts, w_parts, np, 1, 2, zeros, out);
+                amx_group(xs, Mp, Kp, m, parts + p0 * w_parts, w_parts, np, 1, 2, 0, out, 256,
+                          64);
                 for (int t = 0; ok && t < np; t++) {
                     const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
                     ok = tile_bounds(out + t * 256, rows, cols, m, p, count, c, M, bounds, upper,
@@ -167,14 +167,13 @@ static int64_t exact_pass(const uint16_t *xs, int64_t M, int64_t Mp, int64_t Kp,
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float zeros[AMX_ROWS * NR] __attribute__((aligned(64))) = {0};
         float out[AMX_ROWS * NR] __attribute__((aligned(64)));
         amx_configure();
 #pragma omp for schedule(static)
         for (int64_t i = 0; i < n; i++) {
             const int64_t m = pairs[i] / count * AMX_ROWS, p = pairs[i] % count;
             const int64_t rows = M - m < AMX_ROWS ? M - m : AMX_ROWS;
-            amx_group_exact(xs, Mp, Kp, m, parts + p * w_parts, w_parts, 1, wp, zeros, out);
+            amx_group_exact(xs, Mp, Kp, m, parts + p * w_parts, w_parts, 1, wp, 0, out, 256, 64);
             fold(bests + thread, out, rows, N - p * NR < NR ? N - p * NR : NR, m, p);
         }
         _tile_release();
