@@ -1,11 +1,12 @@
 """Micro-benchmark: the CPU projection kernel (kernels/cpu/linear.c, amx.h) on SmolLM2-135M's
-shapes, with the weights streamed from memory as in a decode step, against this machine's bandwidth.
+shapes, with the weights streamed from memory as in a decode step, against this machine's
+bandwidth.
 
   python scripts/bench_linear.py                     # bandwidth, then the table for M = 1..64
   python scripts/bench_linear.py --rows 16,32 --repeat 3
-  python scripts/bench_linear.py --cached            # one layer's weights for all 30: no stream
-  python scripts/bench_linear.py --weights float32   # three parts a weight (a float32 checkpoint)
-  python scripts/bench_linear.py --fma               # the AVX-512 FMA tiles instead of the tile unit
+  python scripts/bench_linear.py --cached            # one layer's weights for all 30
+  python scripts/bench_linear.py --weights float32   # three parts a weight (float32 checkpoint)
+  python scripts/bench_linear.py --fma               # the FMA tiles instead of the tile unit
   python scripts/bench_linear.py --bandwidth-only
 
 Bandwidth: a sum over a 1 GiB float32 buffer (far beyond the caches) with torch at 1 and 2
@@ -19,9 +20,9 @@ parts) or bf16 (one). Each call timed, the best of --repeat steps kept per shape
 step is max(bytes / bandwidth, flops / peak): at these sizes the bytes (the weights read once per
 step; the lm_head's high part) dominate, so the table shows the step's time against bytes /
 bandwidth ("floor %": 100 means the weights streamed at full bandwidth). --cached runs one
-layer's weights thirty times, so they come from the caches: the step's work without the stream.
-A streamed step of 17-64 rows takes about the stream plus the cached step's time past its first
-16 rows: the tile unit's loads from L2 for row tiles after the first do not overlap the stream.
+layer's weights (12 MB) thirty times, so they come from the last-level cache, not from memory. A
+streamed step of 17-64 rows takes about its first 16 rows' step plus the cached step's time past
+16 rows: the row tiles after the first, whose weights come from L2, do not overlap the stream.
 Figures only mean something on an idle machine (the script prints the load average).
 """
 
@@ -128,7 +129,7 @@ def main() -> None:
                    help="the checkpoint's kind of values (default q4_1, as SmolLM2's)")
     p.add_argument("--fma", action="store_true", help="the FMA tiles, not the tile unit")
     p.add_argument("--cached", action="store_true",
-                   help="one layer's weights for all 30 (from the caches: no stream)")
+                   help="one layer's weights for all 30 (from the last-level cache)")
     p.add_argument("--threads", type=int, default=None,
                    help="threads of the products (default torch's; the floor uses its bandwidth)")
     a = p.parse_args()
@@ -158,7 +159,7 @@ def main() -> None:
     rate = bw[min(threads, 2)]
     floor_s = total_bytes / (rate * 1e9)
     print(f"# weights {total_bytes / 1e6:.0f} MB read from memory a step: at {rate:.1f} GB/s "
-          f"{floor_s * 1e3:.1f} ms" + (" (the rest from the caches: no floor %)" if a.cached
+          f"{floor_s * 1e3:.1f} ms" + (" (the rest from the cache: no floor %)" if a.cached
                                        else ", the step's floor"))
     print(f"{'M':>3} " + " ".join(f"{s:>8}" for s in shapes)
           + f" {'step ms':>8} {'GFLOP/s':>8} {'floor %':>8}   (GFLOP/s per shape)")
