@@ -252,13 +252,12 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
                     const int64_t rows = m1 - m < AMX_ROWS ? m1 - m : AMX_ROWS;
                     /* whole tiles straight into y: a step of 64 rows 36.4 -> 33.2 ms, of 512
                      * rows 226-230 -> 191-203 ms, where they went through a buffer */
-                    if (!best && rows == AMX_ROWS && (p0 + np) * NR <= N) {
-                        amx_group_exact(xs, Mp, Kp, m, w, w_parts, np, wp, bias ? biases : 0,
-                                        y + m * N + p0 * NR, NR, N * sizeof(float));
-                        continue;
-                    }
-                    amx_group_exact(xs, Mp, Kp, m, w, w_parts, np, wp, bias ? biases : 0, out,
-                                    AMX_ROWS * NR, AMX_ROWS * sizeof(float));
+                    const int direct = !best && rows == AMX_ROWS && (p0 + np) * NR <= N;
+                    amx_group_exact(xs, Mp, Kp, m, w, w_parts, np, wp, bias ? biases : 0,
+                                    direct ? y + m * N + p0 * NR : out,
+                                    direct ? NR : AMX_ROWS * NR,
+                                    (direct ? N : NR) * sizeof(float));
+                    if (direct) continue;
                     for (int t = 0; t < np; t++) {
                         const int64_t p = p0 + t, cols = N - p * NR < NR ? N - p * NR : NR;
                         emit(out + t * 256, rows, cols, m, p, y, N, best);
