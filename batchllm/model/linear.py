@@ -7,7 +7,10 @@ model's ops record says (ops.py picks the layout; its reasons are there).
             exact to float32), which every product then takes: 1.4-2x the FMA tiles from 32
             rows; below, as fast where the weight needs two parts (4 bytes a weight streamed, as
             the panels: SmolLM2's dequantized Q4_1 layers), a little slower where it needs three,
-            ~1.6x faster where it needs one (a bfloat16 checkpoint: 2 bytes a weight)
+            ~1.6x faster where it needs one (a bfloat16 checkpoint: 2 bytes a weight); where
+            the values are Q4_1's 4-bit blocks, those are found again and kept too, and steps
+            of up to 48 rows stream them (kernels/cpu/amx_q4.h: 0.625 bytes a weight, the same
+            sums bit for bit; 1-16 rows ~1.4x faster)
   "onednn"  CPU, float32, where that kernel cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0):
             reordered into oneDNN's blocked format (`torch.ops.mkldnn._reorder_linear_weight`,
             what torch.compile's freezing pass does) and run with oneDNN's matmul. MKL's sgemm
@@ -17,7 +20,7 @@ model's ops record says (ops.py picks the layout; its reasons are there).
             121-136 -> 135-153.
   "dense"   the weight as loaded, F.linear (CUDA, other dtypes)
 Either CPU layout replaces the dense weight (no extra memory; the AMX parts add 0.5x, 1x or
-1.5x the panels).
+1.5x the panels, the 4-bit blocks 0.16x).
 """
 
 from __future__ import annotations
@@ -65,12 +68,14 @@ class Linear:
         self.weight = None
         self.panels = self.panel_bias = None  # the C kernel's layout, where it runs
         self.parts = None  # the panels split for the tile unit, where it runs
+        self.blocks = None  # the weight's 4-bit blocks, where its values are (small steps)
         self.bounds = None  # the pruned argmax's column norms, made by the first argmax()
         self.packed = None  # oneDNN's blocked weight, where it runs instead
         if layout == "panels":
             self.panels, self.panel_bias = _panels(weight, bias)
             if cpu_linear.uses_amx():  # at load, as the panels (~0.2 s for SmolLM2's 538 MB)
                 self.parts = cpu_linear.split_parts(self.panels)
+                self.blocks = cpu_linear.pack_q4(self.panels)
             return
         dense = torch.cat(parts) if len(parts) > 1 else first
         if layout == "onednn":
@@ -81,7 +86,7 @@ class Linear:
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.panels is not None:
             return cpu_linear.linear(x, self.panels, self.panel_bias, self.out_features,
-                                     self.parts)
+                                     self.parts, self.blocks)
         if self.packed is not None:
             return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)

@@ -20,6 +20,21 @@ static inline void split3(__m512 v, __m256bh *h, __m256bh *m, __m256bh *l) {
     *l = _mm512_cvtneps_pbh(v);
 }
 
+/* split3's h and m alone: for values whose l is zero */
+static inline void split2(__m512 v, __m256bh *h, __m256bh *m) {
+    *h = _mm512_cvtneps_pbh(v);
+    *m = _mm512_cvtneps_pbh(_mm512_sub_ps(v, bf16_float(*h)));
+}
+
+/* 16 bf16 of k and 16 of k + 1 -> 32 as the tile unit takes W: column j's pair at 2j, 2j + 1 */
+static inline __m512i pair_interleave(__m256bh a, __m256bh b) {
+    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
+                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
+                                           16, 0);
+    return _mm512_permutexvar_epi16(
+        pairs, _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)a), (__m256i)b, 1));
+}
+
 /* x [M, K] (stride lda) -> parts [3][Mp][Kp] bf16, zero past M and K */
 static void split_rows(const float *x, int64_t M, int64_t lda, int64_t K, int64_t Mp, int64_t Kp,
                        uint16_t *parts) {
@@ -43,9 +58,6 @@ static void split_rows(const float *x, int64_t M, int64_t lda, int64_t K, int64_
  * 1 for m, 2 for l, so that a caller asking for two planes learns whether the panel needed the
  * third, or only the first. */
 static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *parts, int planes) {
-    const __m512i pairs = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9,
-                                           24, 8, 23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1,
-                                           16, 0);
     const int64_t plane = Kp * 16;
     __m512i mid = _mm512_setzero_si512(), low = _mm512_setzero_si512();
     const __m512i magnitude = _mm512_set1_epi16(0x7FFF);
@@ -56,13 +68,11 @@ static int split_panel(const float *panel, int64_t K, int64_t Kp, uint16_t *part
         split3(a, &ah, &am, &al);
         split3(b, &bh, &bm, &bl);
 #define JOINED(x, y) _mm512_inserti64x4(_mm512_castsi256_si512((__m256i)x), (__m256i)y, 1)
-#define INTERLEAVE(x, y) _mm512_permutexvar_epi16(pairs, JOINED(x, y))
-        _mm512_store_si512(parts + k * 16, INTERLEAVE(ah, bh));
-        if (planes > 1) _mm512_store_si512(parts + plane + k * 16, INTERLEAVE(am, bm));
-        if (planes > 2) _mm512_store_si512(parts + 2 * plane + k * 16, INTERLEAVE(al, bl));
+        _mm512_store_si512(parts + k * 16, pair_interleave(ah, bh));
+        if (planes > 1) _mm512_store_si512(parts + plane + k * 16, pair_interleave(am, bm));
+        if (planes > 2) _mm512_store_si512(parts + 2 * plane + k * 16, pair_interleave(al, bl));
         mid = _mm512_or_si512(mid, _mm512_and_si512(JOINED(am, bm), magnitude));
         low = _mm512_or_si512(low, _mm512_and_si512(JOINED(al, bl), magnitude));
-#undef INTERLEAVE
 #undef JOINED
     }
     return (_mm512_test_epi16_mask(mid, mid) != 0) | (_mm512_test_epi16_mask(low, low) != 0) << 1;

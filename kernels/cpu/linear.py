@@ -48,7 +48,7 @@ def load() -> ctypes.CDLL | None:
     if lib is None:
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, i64, ptr]
+    lib.cpu_linear.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr]
     lib.cpu_linear.restype = None
     lib.cpu_linear_argmax.argtypes = [ptr, i64, i64, i64, ptr, ptr, i64, ptr, ptr, i64, ptr]
     lib.cpu_linear_argmax.restype = None
@@ -56,6 +56,8 @@ def load() -> ctypes.CDLL | None:
     lib.cpu_linear_use_amx.restype = None
     lib.cpu_linear_amx.argtypes = []
     lib.cpu_linear_amx.restype = ctypes.c_int
+    lib.cpu_linear_q4_pack.argtypes = [ptr, i64, i64, ptr]
+    lib.cpu_linear_q4_pack.restype = ctypes.c_int
     lib.cpu_linear_split.argtypes = [ptr, i64, i64, ptr, i64]
     lib.cpu_linear_split.restype = ctypes.c_int
     lib.cpu_linear_bounds.argtypes = [ptr, i64, i64, ptr]
@@ -93,6 +95,26 @@ def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 1-3,
         if not nonzero & 2:  # l only +-0: the product hl would add zeros
             return parts if nonzero & 1 else parts[:, :1].contiguous()  # m too: hm, mm
     return parts
+
+
+Q4_BYTES = 320  # bytes of a panel's block of 32 k: 16 x 32 nibbles, then 16 float16 d and m
+
+
+def pack_q4(panels: torch.Tensor) -> torch.Tensor | None:  # [P, K, 16] -> [P, K / 32, 320]
+    """The weight as 4-bit blocks (q4_blocks.h: w = d q + m, q in 0..15, float16 d and m a
+    column and 32 of K), found again in its float32 values, where every value is of that form
+    and two parts hold it (a checkpoint dequantized from llama.cpp's Q4_1, as SmolLM2's layers):
+    0.625 bytes a weight, which products of up to 48 rows stream instead of split_parts' 4
+    (amx_q4.h), with the same sums, bit for bit; larger products keep the parts. None where
+    some value is not of that form, where K is not a multiple of 32, where every m part is zero
+    (bfloat16 values: their one part skips the products that the blocks' two would add) or
+    where the build has no tile unit."""
+    count, k, _ = panels.shape
+    if k % 32:
+        return None
+    blocks = torch.empty(count, k // 32, Q4_BYTES, dtype=torch.uint8)
+    found = load().cpu_linear_q4_pack(panels.data_ptr(), count, k, blocks.data_ptr())
+    return blocks if found == 1 else None
 
 
 def rows(weight: torch.Tensor | Sequence[torch.Tensor]) -> int:
@@ -140,13 +162,15 @@ def linear(
     bias: torch.Tensor | None,  # [16 ceil(N / 16)] from pack_bias, or None
     n: int,
     parts: torch.Tensor | None = None,  # split_parts(panels): on the tile unit where uses_amx()
+    blocks: torch.Tensor | None = None,  # pack_q4(panels): taken instead up to 48 rows
 ) -> torch.Tensor:  # [M, N]
     """x W^T + b on the packed weight."""
     x = _rows(x, panels)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          _ptr(parts), _count(parts, panels), _ptr(bias), n, y.data_ptr())
+                          _ptr(parts), _count(parts, panels), _ptr(_checked(blocks, panels)),
+                          _ptr(bias), n, y.data_ptr())
     return y
 
 
@@ -195,6 +219,16 @@ def argmax_exact_panels() -> int:
 
 def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
+
+
+def _checked(blocks: torch.Tensor | None, panels: torch.Tensor) -> torch.Tensor | None:
+    """blocks, where they are pack_q4's of panels (else ValueError)."""
+    count, k, _ = panels.shape
+    if blocks is not None and (blocks.dtype != torch.uint8 or not blocks.is_contiguous()
+                               or tuple(blocks.shape) != (count, k // 32, Q4_BYTES)):
+        raise ValueError(f"cpu_linear: blocks of panels {tuple(panels.shape)} expected from "
+                         f"pack_q4, got {blocks.dtype} {tuple(blocks.shape)}")
+    return blocks
 
 
 def _count(parts: torch.Tensor | None, panels: torch.Tensor) -> int:
