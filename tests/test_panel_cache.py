@@ -1,21 +1,28 @@
-"""The panel file (batchllm/model/panel_cache.py): a warm load maps it and packs nothing; a
-changed weight file, a changed layout, a truncated or damaged file are never served: the panels
-are packed again, the file rewritten, and the model's logits still equal transformers'."""
+"""The panel file (batchllm/model/panel_cache.py, panel_file.py): a warm load maps it and lays
+out nothing (no packing, no splitting into the tile unit's parts, no search for 4-bit blocks);
+what it serves is what a build without it makes, bit for bit; a changed weight file, a changed
+layout, a truncated or damaged file, a header whose planes or blocks do not place its tensors
+are never served: everything is laid out again, the file rewritten, and the model's logits
+still equal transformers'."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 from hf_reference import tiny_model_folder
 from safetensors.torch import load_file, save_file
+from test_q4_blocks import q4_1
 from transformers import AutoModelForCausalLM
 
-from batchllm.model import panel_cache
+from batchllm.model import panel_cache, panel_file
 from batchllm.model.attention import PagedAttention, StepMetadata
+from batchllm.model.linear import Linear
 from batchllm.model.loader import LoadedModel, load_model
 from kernels.cpu import linear as cpu_linear
 
@@ -35,18 +42,53 @@ def folder(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     return copy
 
 
+def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
+    """One entry per call of cpu_linear's `name` from now on."""
+    calls: list[int] = []
+    function = getattr(cpu_linear, name)
+
+    def counted(*args):
+        calls.append(1)
+        return function(*args)
+
+    monkeypatch.setattr(cpu_linear, name, counted)
+    return calls
+
+
 @pytest.fixture
 def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many weights were packed: one entry per call of the packing function."""
-    calls: list[int] = []
-    pack = cpu_linear.pack_panels
+    return _counted(monkeypatch, "pack_panels")
 
-    def counted(weight):
-        calls.append(1)
-        return pack(weight)
 
-    monkeypatch.setattr(cpu_linear, "pack_panels", counted)
-    return calls
+@pytest.fixture
+def made(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
+    """The calls of each function that lays a weight out (packing, splitting, finding blocks)."""
+    return {name: _counted(monkeypatch, name) for name in ("pack_panels", "split_parts",
+                                                           "pack_q4")}
+
+
+@pytest.fixture
+def tiles() -> None:
+    if not cpu_linear.uses_amx():
+        pytest.skip("no tile unit here (a CPU without AMX-BF16): no parts or blocks are made")
+
+
+@pytest.fixture
+def q4_folder(folder: Path) -> Path:
+    """The tiny Llama as a checkpoint whose values need each planes count: its projections
+    dequantized from Q4_1 (two parts and 4-bit blocks), layer 1's o_proj bfloat16 values (one
+    part), the tied lm_head float32 (three parts)."""
+    weights = folder / "model.safetensors"
+    state = load_file(weights)
+    gen = torch.Generator().manual_seed(4)
+    for name, w in state.items():
+        if name.endswith("_proj.weight"):
+            state[name] = q4_1(*w.shape, gen)
+    o = "model.layers.1.self_attn.o_proj.weight"
+    state[o] = state[o].bfloat16().float()
+    save_file(state, weights, metadata={"format": "pt"})
+    return folder
 
 
 def load(folder: Path) -> LoadedModel:
@@ -86,6 +128,175 @@ def test_warm_load_maps_the_file_and_packs_nothing(folder: Path, packs: list[int
     warm = load(folder)
     assert warm.panel_cache == "hit" and packs == []
     assert_logits_equal_transformers(warm, folder)
+
+
+def projections(loaded: LoadedModel) -> list[Linear]:
+    """The model's projections in the order it builds them (the file's entries): the lm_head,
+    then each layer's."""
+    model = loaded.model
+    layers = [p for layer in model.layers
+              for p in (layer.attn.qkv, layer.attn.o, layer.mlp.gate_up, layer.mlp.down)]
+    return [model.lm_head, *layers]
+
+
+_LAID = ("panels", "panel_bias", "parts", "blocks")
+
+
+def assert_laid_out_alike(served: LoadedModel, made_here: LoadedModel, rows=(1, 64)) -> None:
+    """Every projection's panels, bias, parts and blocks bit for bit, and its products of
+    `rows` rows (the blocks' path up to 48 rows, the parts' above)."""
+    gen = torch.Generator().manual_seed(2)
+    pairs = list(zip(projections(served), projections(made_here), strict=True))
+    for s, m in pairs:
+        for name in _LAID:
+            a, b = getattr(s, name), getattr(m, name)
+            assert (a is None) == (b is None) and (a is None or torch.equal(a, b)), name
+    for s, m in pairs[:5]:  # the lm_head, a layer's
+        x = torch.randn(max(rows), s.in_features, generator=gen)
+        for r in rows:
+            assert torch.equal(s(x[:r]), m(x[:r])), f"{r} rows"
+
+
+def test_warm_load_maps_parts_and_blocks_and_makes_none(
+        q4_folder: Path, made: dict[str, list[int]], tiles: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    cold = load(q4_folder)
+    count = len(projections(cold))
+    assert cold.panel_cache == "written"
+    assert [len(calls) for calls in made.values()] == [count] * 3
+    for calls in made.values():
+        calls.clear()
+    warm = load(q4_folder)
+    assert warm.panel_cache == "hit" and [len(calls) for calls in made.values()] == [0] * 3
+    served = projections(warm)
+    assert [p.parts.shape[1] for p in served] == [3, 2, 2, 2, 2, 2, 1, 2, 2]  # as q4_folder's
+    assert [p.blocks is not None for p in served] == [False] + [True] * 5 + [False, True, True]
+    monkeypatch.setenv("BATCHLLM_PANEL_CACHE", "0")
+    assert_laid_out_alike(warm, load(q4_folder), rows=(1, 5, 17, 48, 49, 64))
+    assert_logits_equal_transformers(warm, q4_folder)
+
+
+def test_real_checkpoint_served_bit_for_bit(smollm2_folder: Path, tmp_path: Path,
+                                            made: dict[str, list[int]], tiles: None,
+                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """SmolLM2-135M: its layers' blocks (Q4_1 in the GGUF) and lm_head's parts (Q8_0) come
+    from the file as they were made."""
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
+    cold = load(smollm2_folder)
+    assert cold.panel_cache == "written"
+    for calls in made.values():
+        calls.clear()
+    warm = load(smollm2_folder)
+    assert warm.panel_cache == "hit" and [len(calls) for calls in made.values()] == [0] * 3
+    assert all(p.blocks is not None for p in projections(warm)[1:])
+    assert_laid_out_alike(warm, cold, rows=(1, 20, 64))
+
+
+_AMX = cpu_linear.uses_amx
+
+
+def _untiled(monkeypatch: pytest.MonkeyPatch, off: bool) -> None:
+    """Linear's view of the machine: without the tile unit (off), or as it is."""
+    monkeypatch.setattr(cpu_linear, "uses_amx", (lambda: False) if off else _AMX)
+
+
+def test_a_file_without_parts_is_rebuilt_where_tiles_run(
+        q4_folder: Path, made: dict[str, list[int]], tiles: None,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Written without the tile unit: no parts or blocks, a miss where the tile unit runs; a
+    file with them is a hit without it, its parts unused."""
+    _untiled(monkeypatch, True)
+    assert load(q4_folder).panel_cache == "written" and not made["split_parts"]
+    entries = panel_file.read_header(the_file(q4_folder))["entries"]
+    assert all(e["parts"] is None and e["blocks"] is None for e in entries)
+    _untiled(monkeypatch, False)
+    rebuilt = load(q4_folder)
+    assert rebuilt.panel_cache == "written" and made["split_parts"]
+    assert all(p.parts is not None for p in projections(rebuilt))
+    _untiled(monkeypatch, True)
+    for calls in made.values():
+        calls.clear()
+    untiled = load(q4_folder)
+    assert untiled.panel_cache == "hit" and not any(made.values())
+    assert all(p.parts is None and p.blocks is None for p in projections(untiled))
+    assert_logits_equal_transformers(untiled, q4_folder)
+    _untiled(monkeypatch, False)
+    assert load(q4_folder).panel_cache == "hit"
+
+
+def _edit_header(path: Path, edit) -> None:
+    """Change the header as `edit` does, its crc32 made to agree (the data stay in place)."""
+    with open(path, "rb") as f:
+        _, length, _ = panel_file._PREFIX.unpack(f.read(panel_file._PREFIX.size))
+        header = json.loads(f.read(length))
+    edit(header)
+    text = json.dumps(header).encode()
+    assert panel_file._PREFIX.size + len(text) <= header["entries"][0]["panels"]
+    with open(path, "r+b") as f:
+        f.write(panel_file._PREFIX.pack(panel_file.MAGIC, len(text), zlib.crc32(text)) + text)
+
+
+# The entries of q4_folder: the lm_head's (3 planes, no blocks), then layer 0's qkv (2 planes,
+# blocks), ..., layer 1's down (2 planes, blocks).
+def _first_planes_2(header: dict) -> None:
+    header["entries"][0]["planes"] = 2
+
+
+def _second_planes_3(header: dict) -> None:
+    header["entries"][1]["planes"] = 3
+
+
+def _last_planes_1(header: dict) -> None:
+    header["entries"][-1]["planes"] = 1  # only the length can tell
+
+
+def _first_blocks_added(header: dict) -> None:
+    header["entries"][0]["blocks"] = header["entries"][0]["parts"]
+
+
+def _last_blocks_dropped(header: dict) -> None:
+    header["entries"][-1]["blocks"] = None
+
+
+def _second_parts_dropped(header: dict) -> None:
+    header["entries"][1].update(parts=None, planes=None, blocks=None)
+
+
+@pytest.mark.parametrize("edit", [_first_planes_2, _second_planes_3, _last_planes_1,
+                                  _first_blocks_added, _last_blocks_dropped,
+                                  _second_parts_dropped])
+def test_recorded_planes_or_blocks_that_do_not_place_the_data_are_rebuilt(
+        q4_folder: Path, made: dict[str, list[int]], tiles: None, edit) -> None:
+    assert load(q4_folder).panel_cache == "written"
+    _edit_header(the_file(q4_folder), edit)
+    assert panel_file.read_header(the_file(q4_folder)) is None
+    for calls in made.values():
+        calls.clear()
+    rebuilt = load(q4_folder)
+    assert rebuilt.panel_cache == "written" and all(made.values())
+    assert_logits_equal_transformers(rebuilt, q4_folder)
+    assert load(q4_folder).panel_cache == "hit"
+
+
+@pytest.mark.parametrize("header_agrees", [False, True])
+def test_a_file_cut_inside_the_parts_is_rebuilt(q4_folder: Path, made: dict[str, list[int]],
+                                                tiles: None, header_agrees: bool) -> None:
+    """Cut in the last entry's parts (all before them whole); also with the header's length
+    made to say so (the placement still wants the rest)."""
+    assert load(q4_folder).panel_cache == "written"
+    path = the_file(q4_folder)
+    cut = panel_file.read_header(path)["entries"][-1]["parts"] + 1000
+    with open(path, "r+b") as f:
+        f.truncate(cut)
+    if header_agrees:
+        _edit_header(path, lambda header: header.update(file_bytes=cut))
+    assert panel_file.read_header(path) is None
+    for calls in made.values():
+        calls.clear()
+    rebuilt = load(q4_folder)
+    assert rebuilt.panel_cache == "written" and all(made.values())
+    assert_logits_equal_transformers(rebuilt, q4_folder)
+    assert load(q4_folder).panel_cache == "hit"
 
 
 def test_changed_weight_file_is_rebuilt(folder: Path, packs: list[int]) -> None:
