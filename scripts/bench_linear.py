@@ -101,14 +101,11 @@ def make_weights(kind: str, fma: bool, cached: bool, blocks: bool) -> list[tuple
     return out
 
 
-BLOCK_ROWS = 48  # rows up to which a product takes the blocks (amx_q4.h's Q4_ROWS)
-
-
 def streamed_bytes(panels: torch.Tensor, parts: torch.Tensor | None,
                    blocks: torch.Tensor | None, head: bool, m: int) -> int:
     """Bytes a step of m rows reads of a weight: its blocks where it takes them, else its parts
     (the lm_head's argmax: the high part alone, at least), else its float32 panels."""
-    if blocks is not None and m <= BLOCK_ROWS:
+    if blocks is not None and m <= cpu_linear.BLOCK_ROWS:
         return blocks.numel()
     if parts is None:
         return panels.numel() * 4
@@ -162,7 +159,7 @@ def main() -> None:
     has_blocks = any(w[3] is not None for w in weights)
     print(f"# {a.weights} weights, " + (f"the tile unit, {planes} part(s) a weight"
                                         if planes else "the FMA tiles, float32 panels")
-          + (f", 4-bit blocks up to {BLOCK_ROWS} rows" if has_blocks else "")
+          + (f", 4-bit blocks up to {cpu_linear.BLOCK_ROWS} rows" if has_blocks else "")
           + (", one layer's weights for all 30 (cached)" if a.cached else ""))
     shapes = [s[0] for s in LAYER_SHAPES] + [HEAD[0]]
     flops_per_row = {s: 0 for s in shapes}

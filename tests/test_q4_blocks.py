@@ -100,9 +100,10 @@ def test_smollm2s_layers_are_found_as_blocks(smollm2_folder):
     assert torch.equal(down(x), from_parts)
 
 
-def test_products_of_up_to_48_rows_stream_the_blocks():
-    """Given the blocks of another weight of the same shape, products of 1-48 rows return that
-    weight's values (they read the blocks, not the parts), and from 49 rows the parts'."""
+def test_products_of_up_to_block_rows_stream_the_blocks():
+    """Given the blocks of another weight of the same shape, products of 1 to BLOCK_ROWS (48)
+    rows return that weight's values (they read the blocks, not the parts), and from one row
+    more the parts': the Python constant is the kernel's."""
     gen = torch.Generator().manual_seed(9)
     w, other = q4_1(80, 128, gen), q4_1(80, 128, gen)
     panels = cpu_linear.pack_panels(w)
@@ -110,8 +111,9 @@ def test_products_of_up_to_48_rows_stream_the_blocks():
     others = cpu_linear.pack_panels(other)
     blocks = cpu_linear.pack_q4(others)
     x = torch.randn(64, 128, generator=gen)
-    for m in (1, 16, 17, 48, 49, 64):
+    last = cpu_linear.BLOCK_ROWS
+    for m in (1, 16, 17, last, last + 1, 64):
         y = cpu_linear.linear(x[:m], panels, None, 80, parts, blocks)
-        source = others if m <= 48 else panels
+        source = others if m <= last else panels
         expected = cpu_linear.linear(x[:m], source, None, 80, cpu_linear.split_parts(source))
         assert torch.equal(y, expected), f"{m} rows"

@@ -98,13 +98,15 @@ def split_parts(panels: torch.Tensor) -> torch.Tensor:  # [P, K, 16] -> [P, 1-3,
 
 
 Q4_BYTES = 320  # bytes of a panel's block of 32 k: 16 x 32 nibbles, then 16 float16 d and m
+BLOCK_ROWS = 48  # rows up to which a product given the blocks takes them (amx_q4.h's Q4_ROWS)
 
 
 def pack_q4(panels: torch.Tensor) -> torch.Tensor | None:  # [P, K, 16] -> [P, K / 32, 320]
     """The weight as 4-bit blocks (q4_blocks.h: w = d q + m, q in 0..15, float16 d and m a
     column and 32 of K), found again in its float32 values, where every value is of that form
     and two parts hold it (a checkpoint dequantized from llama.cpp's Q4_1, as SmolLM2's layers):
-    0.625 bytes a weight, which products of up to 48 rows stream instead of split_parts' 4
+    0.625 bytes a weight, which products of up to BLOCK_ROWS rows stream instead of the 4 of
+    split_parts
     (amx_q4.h), with the same sums, bit for bit; larger products keep the parts. None where
     some value is not of that form, where K is not a multiple of 32, where every m part is zero
     (bfloat16 values: their one part skips the products that the blocks' two would add) or
@@ -162,7 +164,7 @@ def linear(
     bias: torch.Tensor | None,  # [16 ceil(N / 16)] from pack_bias, or None
     n: int,
     parts: torch.Tensor | None = None,  # split_parts(panels): on the tile unit where uses_amx()
-    blocks: torch.Tensor | None = None,  # pack_q4(panels): taken instead up to 48 rows
+    blocks: torch.Tensor | None = None,  # pack_q4(panels): taken up to BLOCK_ROWS rows
 ) -> torch.Tensor:  # [M, N]
     """x W^T + b on the packed weight."""
     x = _rows(x, panels)

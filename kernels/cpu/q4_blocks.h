@@ -43,12 +43,15 @@ static int q4_pack_block(const float *rows, uint8_t *out) {
                                         _MM_FROUND_TO_NEAREST_INT);
     const __m512 m = _mm512_cvtph_ps(m16), d = _mm512_cvtph_ps(d16);
     const __mmask16 live = _mm512_cmp_ps_mask(d, _mm512_setzero_ps(), _CMP_NEQ_OQ);
+    /* q = (v - m) / d, as the reciprocal's product: a value off by an ulp rounds to the same
+     * q, and any q that does not give v back fails the check below */
+    const __m512 inverse = _mm512_maskz_div_ps(live, _mm512_set1_ps(1), d);
     const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
     __mmask16 found = _mm512_cmp_ps_mask(m, lo, _CMP_EQ_OQ), mid = 0;
     uint8_t q[Q4_K][16];
     for (int k = 0; k < Q4_K; k++) {
         const __m512 v = _mm512_loadu_ps(rows + k * 16);
-        __m512i qk = _mm512_cvtps_epi32(_mm512_maskz_div_ps(live, _mm512_sub_ps(v, m), d));
+        __m512i qk = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, m), inverse));
         qk = _mm512_min_epi32(_mm512_max_epi32(qk, _mm512_setzero_si512()),
                               _mm512_set1_epi32(15));
         found &= _mm512_cmp_ps_mask(_mm512_fmadd_ps(_mm512_cvtepi32_ps(qk), d, m), v,
