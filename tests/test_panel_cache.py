@@ -330,13 +330,16 @@ def test_changed_layout_is_rebuilt(folder: Path, packs: list[int],
     assert_logits_equal_transformers(rebuilt, folder)
 
 
-def test_changed_packing_code_is_a_new_key(folder: Path, tmp_path: Path,
+@pytest.mark.parametrize("name", ["linear.py", "linear.c", "amx.h", "q4_blocks.h"])
+def test_changed_packing_code_is_a_new_key(folder: Path, tmp_path: Path, name: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """The panels' packer, the C code that splits the parts (amx.h) and finds the blocks
+    (q4_blocks.h)."""
     before = panel_cache.source_key(folder)
-    edited = tmp_path / "linear.py"
-    edited.write_text(Path(cpu_linear.__file__).read_text() + "\n# changed\n")
-    code = [edited if p.name == "linear.py" and p.parent.name == "cpu" else p
-            for p in panel_cache._CODE]
+    source = Path(cpu_linear.__file__).with_name(name)
+    edited = tmp_path / name
+    edited.write_text(source.read_text() + "\n// changed\n")
+    code = [edited if p == source else p for p in panel_cache._CODE]
     monkeypatch.setattr(panel_cache, "_CODE", code)
     assert panel_cache.source_key(folder) != before
 

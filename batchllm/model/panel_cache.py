@@ -13,7 +13,7 @@ One file per model folder: `batchllm_panels.bin` inside a folder batchllm conver
 GGUF cache, weights.py), else under cache_root()/panels/ (a user's own folder, or a read-only
 one, is never written into); its format is panel_file.py's. The header carries the key (each
 *.safetensors file's path, size, mtime_ns and inode, a digest of config.json, the layout: panel
-width, dtype, LAYOUT_VERSION, and a digest of the code that lays it out and places it) and one
+width, dtype, LAYOUT_VERSION, and a digest of the code, Python and C, that lays it out) and one
 entry a projection, in the order the model builds them. A file is served only when its header
 is whole (crc32, length, every offset where the recorded shapes and planes put it), its key
 matches and each projection asks for the shape recorded at its place; anything else (a changed
@@ -57,6 +57,7 @@ _CODE = [Path(__file__).parent / n for n in ("panel_cache.py", "panel_file.py", 
                                              "layers.py", "experts.py", "decoder.py",
                                              "rotary.py", "families.py")]
 _CODE += [Path(cpu_linear.__file__), Path(cpu_linear.__file__).with_suffix(".c")]
+_CODE += sorted(Path(cpu_linear.__file__).parent.glob("*.h"))  # the parts' and blocks' makers
 
 
 def pack(weight: torch.Tensor | list[torch.Tensor],  # [N, K] float32, or its row blocks
