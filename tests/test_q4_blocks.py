@@ -29,8 +29,15 @@ def q4_1(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 
 
 # (N, K): 13 panels + 3 columns over 10 steps of K; 4 panels + 5 columns (the last group of
-# four panels short) over 48 steps; one panel of 16
-SHAPES = [(211, 320), (69, 1536), (16, 32)]
+# four panels short) over 48 steps; one panel of 16; 13 panels (two groups a thread) over K of
+# 4,096, where x's parts of 48 rows exceed the kernel's block of rows (32 at this K), so that
+# each block makes its groups' parts again
+SHAPES = [(211, 320), (69, 1536), (16, 32), (200, 4096)]
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit, the sign of a zero too (torch.equal takes -0 == +0)."""
+    return torch.equal(a.view(torch.int32), b.view(torch.int32))
 ROWS = [*range(1, 19), 31, 32, 33, 47, 48, 49, 64, 97]  # 1-3 row tiles, then the parts'
 
 
@@ -44,19 +51,19 @@ def test_products_from_the_blocks_are_the_parts_sums(n, k, bias):
     parts = cpu_linear.split_parts(panels)
     blocks = cpu_linear.pack_q4(panels)
     assert parts.shape[1] == 2 and blocks is not None
-    x = torch.randn(97, k, generator=gen)
+    x = torch.randn(97, k + 8, generator=gen)[:, 3 : k + 3]  # rows k + 8 floats apart
     expected = F.linear(x.double(), w.double(), None if b is None else b.double())
     for m in ROWS:
         from_parts = cpu_linear.linear(x[:m], panels, pb, n, parts)
         from_blocks = cpu_linear.linear(x[:m], panels, pb, n, parts, blocks)
-        assert torch.equal(from_blocks, from_parts), f"{m} rows"
+        assert same_bits(from_blocks, from_parts), f"{m} rows"
         torch.testing.assert_close(from_blocks.double(), expected[:m], rtol=1e-5, atol=1e-5)
 
 
 def test_a_weight_of_other_values_keeps_its_parts():
     """pack_q4 refuses, and the product keeps the parts: a float32 weight; a Q4_1 weight with
-    one value moved by one ulp; K not a multiple of 32; values that are bfloat16 (their one
-    part skips the m products that the blocks would add)."""
+    one value moved by one ulp; K not a multiple of 32; a block of -0 (made again as +0);
+    values that are bfloat16 (their one part skips the m products that the blocks would add)."""
     gen = torch.Generator().manual_seed(3)
     assert cpu_linear.pack_q4(cpu_linear.pack_panels(torch.randn(64, 64, generator=gen))) is None
     w = q4_1(64, 64, gen)
@@ -65,6 +72,11 @@ def test_a_weight_of_other_values_keeps_its_parts():
     moved[37, 45] = torch.nextafter(moved[37, 45], torch.tensor(1.0))
     assert cpu_linear.pack_q4(cpu_linear.pack_panels(moved)) is None
     assert cpu_linear.pack_q4(cpu_linear.pack_panels(w[:, :48].contiguous())) is None
+    zeros = w.clone()
+    zeros[5, :32] = -0.0  # d 0, m -0: fma(0, 0, -0) is +0, not the same bits
+    assert cpu_linear.pack_q4(cpu_linear.pack_panels(zeros)) is None
+    zeros[5, :32] = 0.0
+    assert cpu_linear.pack_q4(cpu_linear.pack_panels(zeros)) is not None
     q = torch.randint(0, 16, (64, 2, 32), generator=gen).float()
     q[..., 0], q[..., 1] = 0, 15
     coarse = (q / 64 - 0.125).reshape(64, 64)  # d = 2^-6, m = -2^-3: bfloat16 values
@@ -73,12 +85,20 @@ def test_a_weight_of_other_values_keeps_its_parts():
     assert cpu_linear.pack_q4(panels) is None
 
 
-def test_blocks_of_another_weight_are_refused():
+def test_blocks_of_another_weight_or_without_the_parts_are_refused():
+    """Blocks of another shape, and blocks without the weight's two parts (its larger products
+    would then take other sums than its small ones), are a ValueError."""
     gen = torch.Generator().manual_seed(5)
     panels = cpu_linear.pack_panels(q4_1(64, 64, gen))
+    parts, blocks = cpu_linear.split_parts(panels), cpu_linear.pack_q4(panels)
     other = cpu_linear.pack_q4(cpu_linear.pack_panels(q4_1(64, 96, gen)))
     with pytest.raises(ValueError, match="blocks of panels"):
-        cpu_linear.linear(torch.randn(2, 64), panels, None, 64, None, other)
+        cpu_linear.linear(torch.randn(2, 64), panels, None, 64, parts, other)
+    with pytest.raises(ValueError, match="beside the weight's two parts"):
+        cpu_linear.linear(torch.randn(2, 64), panels, None, 64, None, blocks)
+    three = torch.cat([parts, torch.zeros_like(parts[:, :1])], dim=1).contiguous()
+    with pytest.raises(ValueError, match="beside the weight's two parts"):
+        cpu_linear.linear(torch.randn(2, 64), panels, None, 64, three, blocks)
 
 
 def test_smollm2s_layers_are_found_as_blocks(smollm2_folder):
@@ -97,7 +117,7 @@ def test_smollm2s_layers_are_found_as_blocks(smollm2_folder):
     x = torch.randn(20, down.in_features, generator=torch.Generator().manual_seed(1))
     from_parts = cpu_linear.linear(x, down.panels, down.panel_bias, down.out_features,
                                    down.parts)
-    assert torch.equal(down(x), from_parts)
+    assert same_bits(down(x), from_parts)
 
 
 def test_products_of_up_to_block_rows_stream_the_blocks():
@@ -116,4 +136,4 @@ def test_products_of_up_to_block_rows_stream_the_blocks():
         y = cpu_linear.linear(x[:m], panels, None, 80, parts, blocks)
         source = others if m <= last else panels
         expected = cpu_linear.linear(x[:m], source, None, 80, cpu_linear.split_parts(source))
-        assert torch.equal(y, expected), f"{m} rows"
+        assert same_bits(y, expected), f"{m} rows"

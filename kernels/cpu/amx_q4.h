@@ -3,8 +3,11 @@
  * weight instead of 4, for products of up to Q4_ROWS rows (cpu_linear given the blocks).
  *
  * Why: a decode step of few rows is bound by the weights' stream (SmolLM2's 425 MB of parts a
- * step, ~17 ms at this machine's 28 GB/s), and the tile unit's L2-fed work for the row tiles
- * after the first does not overlap it (amx.h). Here each thread makes a group's parts from its
+ * step, 15-17 ms at this machine's 25-28 GB/s), and the tile unit's L2-fed work for the row
+ * tiles after the first does not overlap it (amx.h). Neither does making the parts: on this
+ * CPU the tile unit and the AVX-512 units do not work at once (a step of a tile's loads and
+ * products interleaved with q4_rows took their two times' sum), so a step from the blocks costs
+ * the tile unit's work plus the making, ~12.6 ms at 1 row against ~19 ms from the parts. Here each thread makes a group's parts from its
  * blocks into L2 (q4_rows) and runs every row tile against them there: 66 MB streamed a step.
  *
  * W is the tile unit's A operand here and x its B, where amx.h has them the other way: a row
@@ -12,7 +15,9 @@
  * lookup. The output tiles are then y's transpose ([16 columns][16 rows]), turned in registers
  * on their way to y, and x's parts are laid out as B ([Kp / 2][16 rows][2]: k pairs of 16 rows).
  * Each y value is the same sum as amx.h's: the same products (a b = b a exactly: products of
- * bf16 are exact in float32) added in the same order, hh, mh, lh, hm, mm a tile step. */
+ * bf16 are exact in float32) added in the same order, hh, mh, lh, hm, mm a tile step. That the
+ * unit sums an element alike whichever operand holds which factor is its documented semantics,
+ * checked bit for bit against amx.h by tests/test_q4_blocks.py on the CPU it runs on. */
 #ifndef BATCHLLM_CPU_AMX_Q4_H
 #define BATCHLLM_CPU_AMX_Q4_H
 
@@ -27,7 +32,7 @@
 #define Q4_ROWS 48
 
 /* The calling thread's buffer of `each` bf16 values for every thread of its team (the parts
- * of a group made from its blocks: 16 KB a 32 of K), 64-byte aligned; NULL when memory is
+ * of a group made from its blocks: 8 KB a 32 of K), 64-byte aligned; NULL when memory is
  * short */
 static uint16_t *group_buffers(int64_t each) {
     static __thread void *buffer;

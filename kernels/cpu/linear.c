@@ -254,7 +254,7 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
                     const uint16_t *parts, int64_t w_parts, const uint8_t *blocks,
                     const float *bias, int64_t N, float *y, Best *bests) {
 #ifdef HAVE_AMX
-    if (blocks && M <= Q4_ROWS && !bests && cpu_linear_amx() &&
+    if (blocks && parts && w_parts == 2 && M <= Q4_ROWS && !bests && cpu_linear_amx() &&
         amx_product_q4(x, M, lda, K, blocks, bias, N, y))
         return;
     if (parts && cpu_linear_amx() &&
@@ -284,8 +284,9 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
 
 /* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), their parts from
  * cpu_linear_split or NULL (w_parts of them: 3, 2 with l dropped, 1 with m too), their 4-bit
- * blocks from cpu_linear_q4_pack or NULL (taken instead of the parts up to Q4_ROWS rows: the
- * same sums, bit for bit), bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+ * blocks from cpu_linear_q4_pack or NULL (taken instead of the two parts up to Q4_ROWS rows:
+ * the same sums, bit for bit; only beside them, so that larger products take the same sums),
+ * bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                 const uint16_t *parts, int64_t w_parts, const uint8_t *blocks, const float *bias,
                 int64_t N, float *y) {

@@ -112,7 +112,7 @@ def pack_q4(panels: torch.Tensor) -> torch.Tensor | None:  # [P, K, 16] -> [P, K
     (bfloat16 values: their one part skips the products that the blocks' two would add) or
     where the build has no tile unit."""
     count, k, _ = panels.shape
-    if k % 32:
+    if k % 32 or load() is None:
         return None
     blocks = torch.empty(count, k // 32, Q4_BYTES, dtype=torch.uint8)
     found = load().cpu_linear_q4_pack(panels.data_ptr(), count, k, blocks.data_ptr())
@@ -170,9 +170,10 @@ def linear(
     x = _rows(x, panels)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
+        blocks = _checked(blocks, panels, parts)
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          _ptr(parts), _count(parts, panels), _ptr(_checked(blocks, panels)),
-                          _ptr(bias), n, y.data_ptr())
+                          _ptr(parts), _count(parts, panels), _ptr(blocks), _ptr(bias), n,
+                          y.data_ptr())
     return y
 
 
@@ -223,13 +224,20 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _checked(blocks: torch.Tensor | None, panels: torch.Tensor) -> torch.Tensor | None:
-    """blocks, where they are pack_q4's of panels (else ValueError)."""
+def _checked(blocks: torch.Tensor | None, panels: torch.Tensor,
+             parts: torch.Tensor | None) -> torch.Tensor | None:
+    """blocks, where they are pack_q4's of panels and come with its two parts (else
+    ValueError: larger products take the parts, and must take the same sums)."""
+    if blocks is None:
+        return None
     count, k, _ = panels.shape
-    if blocks is not None and (blocks.dtype != torch.uint8 or not blocks.is_contiguous()
-                               or tuple(blocks.shape) != (count, k // 32, Q4_BYTES)):
+    if (blocks.dtype != torch.uint8 or not blocks.is_contiguous()
+            or tuple(blocks.shape) != (count, k // 32, Q4_BYTES)):
         raise ValueError(f"cpu_linear: blocks of panels {tuple(panels.shape)} expected from "
                          f"pack_q4, got {blocks.dtype} {tuple(blocks.shape)}")
+    if parts is None or parts.shape[1] != 2:
+        raise ValueError("cpu_linear: blocks are taken only beside the weight's two parts "
+                         "(split_parts)")
     return blocks
 
 

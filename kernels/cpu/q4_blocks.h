@@ -6,7 +6,9 @@
  * q4_pack_block takes a block only where every value is found again exactly (fma(q, d, m) == w,
  * the kernel's own formula) and is h + m exactly (no third part: amx.h). A checkpoint quantized
  * as llama.cpp's Q4_1 (m the block's minimum, d its range / 15) has q = 0 at the minimum and
- * q = 15 at the maximum, which is how the block is found.
+ * q = 15 at the maximum, which is how the block is found. A quantizer that does not reach both
+ * ends of a block (llama.cpp's imatrix search may not) leaves that weight on its parts: slower,
+ * not wrong.
  *
  * q4_rows makes a block's two parts back, h = bf16(w) and m = bf16(w - h) as split_panel makes
  * them, so that every product is the same sum, bit for bit, as from the parts. A column's 32
@@ -29,8 +31,8 @@
 #define Q4_M 288
 
 /* The block of 32 k of a panel [K, 16] float32 at rows into out: 1 where every value is
- * d q + m (as above) and h + m exactly, 2 if so and some m part is nonzero; 0 where a value is
- * not (out then undefined). */
+ * d q + m (as above, the same bits: a -0 that would come back +0 is refused) and h + m exactly,
+ * 2 if so and some m part is nonzero; 0 where a value is not (out then undefined). */
 static int q4_pack_block(const float *rows, uint8_t *out) {
     __m512 lo = _mm512_loadu_ps(rows), hi = lo;
     for (int k = 1; k < Q4_K; k++) {
@@ -47,15 +49,15 @@ static int q4_pack_block(const float *rows, uint8_t *out) {
      * q, and any q that does not give v back fails the check below */
     const __m512 inverse = _mm512_maskz_div_ps(live, _mm512_set1_ps(1), d);
     const __m256i magnitude = _mm256_set1_epi16(0x7FFF);
-    __mmask16 found = _mm512_cmp_ps_mask(m, lo, _CMP_EQ_OQ), mid = 0;
+    __mmask16 found = 0xFFFF, mid = 0;
     uint8_t q[Q4_K][16];
     for (int k = 0; k < Q4_K; k++) {
         const __m512 v = _mm512_loadu_ps(rows + k * 16);
         __m512i qk = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_sub_ps(v, m), inverse));
         qk = _mm512_min_epi32(_mm512_max_epi32(qk, _mm512_setzero_si512()),
                               _mm512_set1_epi32(15));
-        found &= _mm512_cmp_ps_mask(_mm512_fmadd_ps(_mm512_cvtepi32_ps(qk), d, m), v,
-                                    _CMP_EQ_OQ);
+        const __m512 w = _mm512_fmadd_ps(_mm512_cvtepi32_ps(qk), d, m);
+        found &= _mm512_cmpeq_epi32_mask(_mm512_castps_si512(w), _mm512_castps_si512(v));
         __m256bh h, mp, l;
         split3(v, &h, &mp, &l);
         const __m256i lz = _mm256_and_si256((__m256i)l, magnitude);
