@@ -23,10 +23,11 @@ best of --repeat steps kept per shape. The floor of a step is max(bytes / bandwi
 peak): the bytes are the weights read once per step (the parts, or the blocks where a product
 takes them; the lm_head's high part), and the table shows the step's time against bytes /
 bandwidth ("floor %": 100 means the weights streamed at full bandwidth). Where the blocks are
-taken the bytes are few and the floor far below: the tile unit's work bounds those steps. --cached runs one
-layer's weights (12 MB) thirty times, so they come from the last-level cache, not from memory. A
-streamed step of 17-64 rows takes about its first 16 rows' step plus the cached step's time past
-16 rows: the row tiles after the first, whose weights come from L2, do not overlap the stream.
+taken the bytes are few and the floor far below: the tile unit's work bounds those steps.
+--cached runs one layer's weights (12 MB) thirty times, so they come from the last-level cache,
+not from memory. A streamed step of 17-64 rows takes about its first 16 rows' step plus the
+cached step's time past 16 rows: the row tiles after the first, whose weights come from L2, do
+not overlap the stream.
 Figures only mean something on an idle machine (the script prints the load average).
 """
 

@@ -7,8 +7,9 @@
  * tiles after the first does not overlap it (amx.h). Neither does making the parts: on this
  * CPU the tile unit and the AVX-512 units do not work at once (a step of a tile's loads and
  * products interleaved with q4_rows took their two times' sum), so a step from the blocks costs
- * the tile unit's work plus the making, ~12.6 ms at 1 row against ~19 ms from the parts. Here each thread makes a group's parts from its
- * blocks into L2 (q4_rows) and runs every row tile against them there: 66 MB streamed a step.
+ * the tile unit's work plus the making, ~12.6 ms at 1 row against ~19 ms from the parts (C
+ * harness). Here each thread makes a group's parts from its blocks into L2 (q4_rows) and runs
+ * every row tile against them there: 66 MB streamed a step.
  *
  * W is the tile unit's A operand here and x its B, where amx.h has them the other way: a row
  * of A is one column's 32 k, which share their (d, m), so that q4_rows makes it by a table
