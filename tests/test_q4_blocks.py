@@ -34,11 +34,12 @@ def q4_1(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
 # each block makes its groups' parts again
 SHAPES = [(211, 320), (69, 1536), (16, 32), (200, 4096)]
 
+ROWS = [*range(1, 19), 31, 32, 33, 47, 48, 49, 64, 97]  # 1-3 row tiles, then the parts'
+
 
 def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Bit for bit, the sign of a zero too (torch.equal takes -0 == +0)."""
     return torch.equal(a.view(torch.int32), b.view(torch.int32))
-ROWS = [*range(1, 19), 31, 32, 33, 47, 48, 49, 64, 97]  # 1-3 row tiles, then the parts'
 
 
 @pytest.mark.parametrize("n, k", SHAPES)
