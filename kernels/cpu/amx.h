@@ -91,6 +91,30 @@ static void amx_configure(void) {
 
 #define AMX_GROUP 4 /* panels a call of amx_group takes: y tiles 0-3 */
 
+/* The accumulator tiles t < np <= 4 of a group: from bias (a [16, 16] tile a panel, 256 floats
+ * apart) or zeros (bias NULL); stored at out + t * out_step, rows out_ld bytes apart */
+static inline __attribute__((always_inline)) void amx_start(const float *bias, int np) {
+    if (bias) {
+        _tile_loadd(0, bias, 64);
+        if (np > 1) _tile_loadd(1, bias + 256, 64);
+        if (np > 2) _tile_loadd(2, bias + 512, 64);
+        if (np > 3) _tile_loadd(3, bias + 768, 64);
+    } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+}
+
+static inline __attribute__((always_inline)) void amx_finish(float *out, int64_t out_step,
+                                                             int64_t out_ld, int np) {
+    _tile_stored(0, out, out_ld);
+    if (np > 1) _tile_stored(1, out + out_step, out_ld);
+    if (np > 2) _tile_stored(2, out + 2 * out_step, out_ld);
+    if (np > 3) _tile_stored(3, out + 3 * out_step, out_ld);
+}
+
 /* y tiles [16, 16] of x rows [m, m + 16) against panels t < np <= 4 of a group, tile t = bias[t]
  * (tiles [16, 16] a panel, or NULL for zeros) + x . panel t, stored at out + t * out_step with
  * its rows out_ld bytes apart (a buffer of tiles, or y itself), from their parts (xs:
@@ -107,17 +131,7 @@ static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, 
                                                             int64_t out_step, int64_t out_ld) {
     const int64_t plane = Mp * Kp, wplane = Kp * 16;
     const int64_t ld = Kp * 2; /* bytes between x rows */
-    if (bias) {
-        _tile_loadd(0, bias, 64);
-        if (np > 1) _tile_loadd(1, bias + 256, 64);
-        if (np > 2) _tile_loadd(2, bias + 512, 64);
-        if (np > 3) _tile_loadd(3, bias + 768, 64);
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+    amx_start(bias, np);
     for (int64_t k = 0; k < Kp; k += AMX_K) {
         const uint16_t *x = xs + m * Kp + k;
         _tile_loadd(4, x, ld);
@@ -146,10 +160,7 @@ static inline __attribute__((always_inline)) void amx_group(const uint16_t *xs, 
         PANEL_PRODUCTS(3)
 #undef PANEL_PRODUCTS
     }
-    _tile_stored(0, out, out_ld);
-    if (np > 1) _tile_stored(1, out + out_step, out_ld);
-    if (np > 2) _tile_stored(2, out + 2 * out_step, out_ld);
-    if (np > 3) _tile_stored(3, out + 3 * out_step, out_ld);
+    amx_finish(out, out_step, out_ld, np);
 }
 
 /* amx_group with all of x's parts and W's wp (1-3, a variable here), each form compiled apart */

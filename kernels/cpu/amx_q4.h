@@ -94,24 +94,14 @@ static const uint16_t *x_pairs(const float *x, int64_t M, int64_t lda, int64_t K
  * panel t's parts (A: [2][Kp / 32][16][32] at w + t * w_panel) against row tile mt of x's parts
  * (B: xb from x_pairs, mtiles row tiles), stored at out + t * 256. Given the panels' blocks
  * (panel t's at blocks + t * Kp / 32 * Q4_BYTES), each tile step first makes its parts there
- * from them: its tile loads then hit L1, and the tile unit's work on one panel overlaps the
- * making of the next (1 / 16 rows: 12.6 / 14.2 ms a step, 14.2 / 16.5 where the group was
- * made first). */
+ * from them, so that its tile loads hit L1 (1 / 16 rows: 12.6 / 14.2 ms a step, 14.2 / 16.5
+ * where the whole group was made first; the making itself does not overlap the tile unit's
+ * work, see the top). */
 static inline void amx_group_q4(const uint16_t *xb, int64_t mtiles, int64_t Kp, int64_t mt,
                                 const uint8_t *blocks, uint16_t *w, int64_t w_panel, int np,
                                 const float *bias, float *out) {
     const int64_t steps = Kp / AMX_K, part = mtiles * steps * 512, wplane = Kp * 16;
-    if (bias) {
-        _tile_loadd(0, bias, 64);
-        if (np > 1) _tile_loadd(1, bias + 256, 64);
-        if (np > 2) _tile_loadd(2, bias + 512, 64);
-        if (np > 3) _tile_loadd(3, bias + 768, 64);
-    } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
-    }
+    amx_start(bias, np);
     for (int64_t s = 0; s < steps; s++) {
         const uint16_t *xs = xb + (mt * steps + s) * 512;
         _tile_loadd(4, xs, 64);
@@ -137,10 +127,7 @@ static inline void amx_group_q4(const uint16_t *xb, int64_t mtiles, int64_t Kp, 
         PANEL_PRODUCTS(3)
 #undef PANEL_PRODUCTS
     }
-    _tile_stored(0, out, 64);
-    if (np > 1) _tile_stored(1, out + 256, 64);
-    if (np > 2) _tile_stored(2, out + 512, 64);
-    if (np > 3) _tile_stored(3, out + 768, 64);
+    amx_finish(out, 256, 64, np);
 }
 
 /* The product from W's blocks ([count][Kp / 32][Q4_BYTES], cpu_linear_q4_pack), as amx_product
