@@ -17,6 +17,7 @@ import threading
 import time
 import traceback
 
+from batchllm import collector
 from batchllm.config import ConfigError, JobConfig, load_job
 from batchllm.engine.metrics import Phases, RunMetrics
 from batchllm.engine.scheduler import KVCacheTooSmall
@@ -247,11 +248,12 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
                bar: Progress, phases: Phases) -> RunMetrics:
     """The single-process path: every row planned (so that a resumed run makes the same plan),
     the rows in `done` skipped."""
-    with phases.timed("import"):
-        from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
+    with collector.start_up():  # torch and the model: objects as long-lived as the process
+        with phases.timed("import"):
+            from batchllm.engine.runtime import Runtime  # torch: not before the lock is held
 
-    with phases.timed("load"):
-        runtime = Runtime.from_config(cfg)
+        with phases.timed("load"):
+            runtime = Runtime.from_config(cfg)
     phases.notes["panel_cache"] = runtime.loaded.panel_cache
     with phases.timed("tokenize"):
         rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,

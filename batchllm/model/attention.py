@@ -128,6 +128,11 @@ class PagedAttention:
             o[:n] = merged
         return o
 
+    def own_part(self, window: int = 0) -> tuple[torch.Tensor, StepIndex | None]:
+        """This step's (kv_start, step index) for layers of `window` (0: global), as attend
+        takes them: built at the first layer that asks, shared by the others."""
+        return self._part(self.meta, window)
+
     def _part(self, m: StepMetadata, window: int) -> tuple[torch.Tensor, StepIndex | None]:
         """The own part's first key per sequence and the step's gather index for it (None when
         the ops take none): meta.kv_start for global layers; for a window W, from the first key

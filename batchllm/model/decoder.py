@@ -21,6 +21,7 @@ import torch
 
 from batchllm.model.attention import PagedAttention
 from batchllm.model.checkpoint import Tensors
+from batchllm.model.cpu_layers import CpuLayers
 from batchllm.model.experts import SparseMoe
 from batchllm.model.families import Family, describe
 from batchllm.model.layers import Attention, Mlp, take_norm
@@ -135,6 +136,9 @@ class DecoderModel:
         t.check_all_taken()
         pw = self.ops.pointwise
         self.act_mul = pw.silu_mul if f.activation == "silu" else pw.gelu_tanh_mul
+        # Plain layers on the CPU's C kernels: all of a step's in one C call, the same values
+        # (cpu_layers.py); None: the loop in hidden()
+        self.cpu_layers = CpuLayers.of(self)
 
     @torch.inference_mode()
     def forward(
@@ -159,6 +163,9 @@ class DecoderModel:
         h = self.embed[input_ids]  # [T, H], the residual stream
         if self.embed_scale is not None:
             h = h * self.embed_scale
+        if self.cpu_layers is not None:
+            self.cpu_layers.run(h, positions, attention, _mlp_rows(h, self.layers[0].mlp.width))
+            return norm(h[sample_rows], None, self.norm, eps)  # [S, H]
         for i, layer in enumerate(self.layers):
             x = norm(h, None, layer.norm_in, eps)
             a = layer.attn(x, positions, attention, i, self.ops, eps)  # [T, H]

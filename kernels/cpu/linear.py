@@ -172,9 +172,9 @@ def linear(
     x = _rows(x, panels)
     y = torch.empty(x.shape[0], n, dtype=torch.float32)
     if x.shape[0]:
-        blocks = _checked(blocks, panels, parts)
+        blocks = checked_blocks(blocks, panels, parts)
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          _ptr(parts), _count(parts, panels), _ptr(blocks), _ptr(bias), n,
+                          _ptr(parts), part_count(parts, panels), _ptr(blocks), _ptr(bias), n,
                           y.data_ptr())
     return y
 
@@ -211,7 +211,7 @@ def linear_argmax(
                          f"from argmax_bounds, got {bounds.dtype} {tuple(bounds.shape)}")
     if x.shape[0]:
         load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
-                                 panels.data_ptr(), _ptr(parts), _count(parts, panels),
+                                 panels.data_ptr(), _ptr(parts), part_count(parts, panels),
                                  _ptr(bias), _ptr(bounds), n, ids.data_ptr())
     return ids
 
@@ -226,7 +226,7 @@ def _ptr(t: torch.Tensor | None) -> int:
     return 0 if t is None else t.data_ptr()
 
 
-def _checked(blocks: torch.Tensor | None, panels: torch.Tensor,
+def checked_blocks(blocks: torch.Tensor | None, panels: torch.Tensor,
              parts: torch.Tensor | None) -> torch.Tensor | None:
     """blocks, where they are pack_q4's of panels and come with its two parts (else
     ValueError: larger products take the parts, and must take the same sums)."""
@@ -243,7 +243,7 @@ def _checked(blocks: torch.Tensor | None, panels: torch.Tensor,
     return blocks
 
 
-def _count(parts: torch.Tensor | None, panels: torch.Tensor) -> int:
+def part_count(parts: torch.Tensor | None, panels: torch.Tensor) -> int:
     """How many parts of each weight split_parts kept (3, 2 without l, 1 without m and l); 0
     without parts."""
     if parts is None:

@@ -1,0 +1,154 @@
+"""The CPU path's decoder layers in one C call a step (kernels/cpu/layers.c), for the models
+whose layers are all plain: what decoder.py's loop over layers.py's blocks does, the same kernels
+in the same order with the same arguments, so the same values bit for bit, without ~330 ctypes
+calls and their torch glue a step (~11 ms of a 36 ms decode step of SmolLM2-135M).
+
+Plain: Llama's layer (Llama, Mistral without a window, Qwen2, SmolLM2...) on the CPU's C kernels
+(float32, the panels, C attention for decodes, prefill chunks and shared prefixes). Anything
+else (q/k norms, sandwich norms, clipping, experts, sliding windows, soft-capping, GELU, a kernel
+that did not build) runs decoder.py's loop.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import TYPE_CHECKING
+
+import torch
+
+from batchllm.model.attention import PagedAttention
+from kernels.cpu import attention as cpu_attention
+from kernels.cpu import layers as cpu_layers
+from kernels.cpu import linear as cpu_linear
+from kernels.cpu import ops as cpu_ops
+from kernels.cpu import prefill as cpu_prefill
+
+if TYPE_CHECKING:
+    from batchllm.model.decoder import DecoderModel
+    from batchllm.model.linear import Linear
+
+
+def _ptr(t: torch.Tensor | None) -> int:
+    return 0 if t is None else t.data_ptr()
+
+
+def _projection(p: Linear) -> cpu_layers.Projection:
+    """p's weight as cpu_linear takes it, its parts and blocks checked once here (linear.py's
+    checks, made there at every call)."""
+    blocks = cpu_linear.checked_blocks(p.blocks, p.panels, p.parts)
+    return cpu_layers.Projection(p.panels.data_ptr(), _ptr(p.parts),
+                                 cpu_linear.part_count(p.parts, p.panels), _ptr(blocks),
+                                 _ptr(p.panel_bias), p.out_features)
+
+
+def _float_rows(t: torch.Tensor) -> bool:
+    return t.dtype == torch.float32 and t.is_contiguous()
+
+
+def _int32(t: torch.Tensor) -> torch.Tensor:
+    """A step table as the attention kernels take it (kernels/cpu/checks.py's rule)."""
+    if t.dtype != torch.int32:
+        raise TypeError("cpu_layers: page tables, lengths and indices are int32")
+    return t.contiguous()
+
+
+class CpuLayers:
+    """A model's layers as layers.c's records: the weights' once (`of`), the cache's once per
+    KV pool, the step's at each `run`."""
+
+    def __init__(self, model: DecoderModel) -> None:
+        self.model = model
+        s, first = model.shape, model.layers[0]
+        self.width = first.mlp.width  # 2I: gate and up
+        self.scale = first.attn.scale
+        self.shape_ = (s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, self.width // 2)
+        self._layers: tuple[int, ctypes.Array] | None = None  # (k_cache's address, records)
+
+    @staticmethod
+    def of(model: DecoderModel) -> CpuLayers | None:
+        """The one-call layers where every layer of `model` is plain and every kernel built;
+        None where decoder.py's loop must run."""
+        f, ops = model.family, model.ops
+        if (model.dtype != torch.float32 or ops.projection != "panels"
+                or ops.pointwise is not cpu_ops.C_OPS or ops.store_kv is not cpu_ops.store_kv_c
+                or ops.paged_attention is not cpu_attention.paged_attention_cpu
+                or ops.prefix_attention_into is not cpu_prefill.prefix_attention_into
+                or ops.gathers_decodes or ops.gathers_chunks or not ops.indexes_steps):
+            return None
+        if (f.sandwich_norms or f.qk_norm or f.clip_qkv or f.activation != "silu"
+                or f.attn_softcap or any(f.windows)
+                or (f.experts is not None and any(f.experts.sparse_layers))):
+            return None
+        first = model.layers[0].attn
+        for layer in model.layers:
+            a = layer.attn
+            if (a.scale != first.scale or a.window or a.softcap or a.q_norm is not None
+                    or layer.mlp.width != model.layers[0].mlp.width
+                    or layer.norm_attn_out is not None or layer.norm_mlp_out is not None
+                    or not (_float_rows(a.cos) and _float_rows(a.sin))
+                    or not (_float_rows(layer.norm_in) and _float_rows(layer.norm_mlp))
+                    or any(p.panels is None for p in (a.qkv, a.o, layer.mlp.gate_up,
+                                                      layer.mlp.down))):
+                return None
+        if cpu_layers.kernels() is None:
+            return None
+        return CpuLayers(model)
+
+    def _records(self, attention: PagedAttention) -> ctypes.Array:
+        """The layers' records, made once for attention's cache."""
+        kc, vc = attention.k_cache, attention.v_cache
+        if self._layers is not None and self._layers[0] == kc.data_ptr():
+            return self._layers[1]
+        records = (cpu_layers.Layer * len(self.model.layers))()
+        for i, (layer, r) in enumerate(zip(self.model.layers, records)):
+            a, mlp = layer.attn, layer.mlp
+            r.norm_in, r.norm_mlp = layer.norm_in.data_ptr(), layer.norm_mlp.data_ptr()
+            r.qkv, r.o = _projection(a.qkv), _projection(a.o)
+            r.gate_up, r.down = _projection(mlp.gate_up), _projection(mlp.down)
+            r.cos, r.sin = a.cos.data_ptr(), a.sin.data_ptr()
+            r.rotary_dim, r.max_position = a.cos.shape[1], a.cos.shape[0]
+            r.k_cache, r.v_cache = kc[i].data_ptr(), vc[i].data_ptr()
+        self._layers = (kc.data_ptr(), records)
+        return records
+
+    def run(self, h: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+            mlp_rows: int) -> None:
+        """Every layer over the step that `attention.meta` describes; h [T, H] float32
+        contiguous, the residual stream, in and out; positions [T] int64; the MLP in blocks of
+        mlp_rows rows (decoder.py's)."""
+        if not (_float_rows(h) and attention.k_cache.is_contiguous()
+                and attention.v_cache.is_contiguous()):
+            raise ValueError("cpu_layers: h and the caches must be contiguous float32")
+        m, (t, hidden) = attention.meta, h.shape
+        _, hq, hkv, d, inter = self.shape_
+        kv_start, index = attention.own_part()
+        block = max(1, min(t, mlp_rows))
+        scale = attention.scale if self.scale is None else self.scale
+        shape = cpu_layers.Shape(hidden, hq, hkv, d, inter, attention.k_cache.shape[2], block,
+                                 self.model.eps, scale)
+        buffers = {name: torch.empty(rows, cols, dtype=torch.float32) for name, rows, cols in (
+            ("x", t, hidden), ("qkv", t, (hq + 2 * hkv) * d), ("o", t, hq * d), ("lse", t, hq),
+            ("a", t, hidden), ("gate_up", block, self.width), ("act", block, inter),
+            ("m", block, hidden))}
+        pos = positions.to(torch.int64).contiguous()
+        slots = m.slot_mapping.to(torch.int64).contiguous()
+        table, cu, ctx, start = (_int32(x) for x in (m.page_table, m.cu_q, m.context_lens,
+                                                     kv_start))
+        dec_seqs, dec_rows, chunk_seqs = (_int32(x) for x in (index.decode_seqs,
+                                                              index.decode_rows,
+                                                              index.chunk_seqs))
+        groups = m.prefix_lens.shape[0] if m.cascade_rows else 0
+        pages, lens, cu_prefix = ((_int32(x) for x in (m.prefix_pages, m.prefix_lens,
+                                                        m.cu_prefix_q))
+                                  if groups else (None, None, None))
+        step = cpu_layers.Step(
+            t, pos.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1], cu.data_ptr(),
+            ctx.data_ptr(), start.data_ptr(), dec_seqs.data_ptr(), dec_rows.data_ptr(),
+            len(dec_seqs), chunk_seqs.data_ptr(), len(chunk_seqs), groups, _ptr(pages),
+            pages.shape[1] if groups else 0, _ptr(lens), _ptr(cu_prefix), h.data_ptr(),
+            *(buffers[n].data_ptr() for n in ("x", "qkv", "o", "lse", "a", "gate_up", "act",
+                                               "m")))
+        failed = cpu_layers.run(shape, self._records(attention), step)
+        if failed >= 0:
+            table_len = self.model.layers[failed].attn.cos.shape[0]
+            raise IndexError(f"rope_c: positions outside the table of {table_len}")
