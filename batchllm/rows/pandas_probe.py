@@ -39,4 +39,3 @@ class _NoPandas:
     def find_spec(name, path=None, target=None):
         if name == "pandas" or name.startswith("pandas."):
             raise ModuleNotFoundError("pandas: not imported while pyarrow checks", name=name)
-        return None
