@@ -214,6 +214,23 @@ static inline int team_share(int64_t count, int64_t *first, int64_t *last) {
     return thread;
 }
 
+/* The calling thread's number in its OpenMP team (0 outside one) */
+static inline int team_thread(void) {
+#ifdef _OPENMP
+    return omp_get_thread_num();
+#else
+    return 0;
+#endif
+}
+
+/* Groups of AMX_GROUP panels of count: the products' work items, handed to whichever thread of
+ * the team is free (omp for schedule(dynamic)) rather than split in halves up front. The halves
+ * took the same time only on average: on this 2-core VM the two threads of one projection ended
+ * 46-100 us apart (a 1-16-row step's projection takes ~130 us), either one last; dynamic, 16-30
+ * us (C harness, SmolLM2's 120 products). A panel's outputs are still one thread's, in the same
+ * order: the same values whichever thread takes it. */
+static inline int64_t panel_groups(int64_t count) { return (count + AMX_GROUP - 1) / AMX_GROUP; }
+
 /* out tile [16, 16] of rows m.. and panel p: its first rows x cols into y, or folded into best */
 static inline void emit(const float *out, int64_t rows, int64_t cols, int64_t m, int64_t p,
                         float *y, int64_t N, Best *best) {
@@ -230,9 +247,10 @@ static inline void fill_bias(float *tile, const float *bias) {
 }
 
 /* The product on the tile unit, W's parts split once at load (cpu_linear_split; wp of them,
- * [count][wp][Kp / 2][32]): x split once a call; each thread an even share of the panels, four
- * at a time, a block of rows at a time (rows whose parts fit in L2), one row tile after another
- * against the four (their parts from L2 after the first), whole tiles stored straight into y.
+ * [count][wp][Kp / 2][32]): x split once a call; the panels four at a time to whichever thread
+ * is free (panel_groups), a block of rows at a time (rows whose parts fit in L2), one row tile
+ * after another against the four (their parts from L2 after the first), whole tiles stored
+ * straight into y.
  * Returns 0 where x's parts do not fit in memory (then the FMA tiles run). */
 static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint16_t *parts,
                        int wp, const float *bias, int64_t N, float *y, Best *bests) {
@@ -246,16 +264,17 @@ static int amx_product(const float *x, int64_t M, int64_t lda, int64_t K, const 
     if (block < AMX_ROWS) block = AMX_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
-        int64_t first, last;
-        const int thread = team_share(count, &first, &last);
+        const int thread = team_thread();
         float biases[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         float out[AMX_GROUP * AMX_ROWS * NR] __attribute__((aligned(64)));
         Best *best = bests ? bests + thread : 0;
         amx_configure();
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
-            for (int64_t p0 = first; p0 < last; p0 += AMX_GROUP) {
-                const int np = last - p0 < AMX_GROUP ? last - p0 : AMX_GROUP;
+#pragma omp for schedule(dynamic, 1) nowait
+            for (int64_t g = 0; g < panel_groups(count); g++) {
+                const int64_t p0 = g * AMX_GROUP;
+                const int np = count - p0 < AMX_GROUP ? count - p0 : AMX_GROUP;
                 const uint16_t *w = parts + p0 * w_parts;
                 for (int t = 0; bias && t < np; t++)
                     fill_bias(biases + t * 256, bias + (p0 + t) * NR);

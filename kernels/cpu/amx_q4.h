@@ -131,7 +131,7 @@ static inline void amx_group_q4(const uint16_t *xb, int64_t mtiles, int64_t Kp, 
 }
 
 /* The product from W's blocks ([count][Kp / 32][Q4_BYTES], cpu_linear_q4_pack), as amx_product
- * from its parts: each thread an even share of the panels, four at a time, their parts made
+ * from its parts: the panels four at a time to whichever thread is free, their parts made
  * into L2 by the first row tile of a block of rows, every row tile of the block against them,
  * each output tile turned into y's rows. Returns 0 where the buffers do not fit in memory
  * (then the FMA tiles run). */
@@ -148,8 +148,7 @@ static int amx_product_q4(const float *x, int64_t M, int64_t lda, int64_t K,
     if (block < AMX_ROWS) block = AMX_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
-        int64_t first, last;
-        const int thread = team_share(count, &first, &last);
+        const int thread = team_thread();
         float biases[AMX_GROUP * 256] __attribute__((aligned(64)));
         float out[AMX_GROUP * 256] __attribute__((aligned(64)));
         float rows_of[256] __attribute__((aligned(64)));
@@ -157,8 +156,10 @@ static int amx_product_q4(const float *x, int64_t M, int64_t lda, int64_t K,
         amx_configure();
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
-            for (int64_t p0 = first; p0 < last; p0 += AMX_GROUP) {
-                const int np = last - p0 < AMX_GROUP ? last - p0 : AMX_GROUP;
+#pragma omp for schedule(dynamic, 1) nowait /* amx.h's panel_groups */
+            for (int64_t g = 0; g < panel_groups(count); g++) {
+                const int64_t p0 = g * AMX_GROUP;
+                const int np = count - p0 < AMX_GROUP ? count - p0 : AMX_GROUP;
                 for (int t = 0; bias && t < np; t++)
                     for (int j = 0; j < NR; j++) /* row j: column j's bias */
                         _mm512_store_ps(biases + t * 256 + j * NR,
