@@ -61,7 +61,7 @@ class CpuLayers:
         s, first = model.shape, model.layers[0]
         self.width = first.mlp.width  # 2I: gate and up
         self.scale = first.attn.scale
-        self.shape_ = (s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, self.width // 2)
+        self.sizes = (s.hidden_size, s.num_heads, s.num_kv_heads, s.head_dim, self.width // 2)
         self._layers: tuple[int, ctypes.Array] | None = None  # (k_cache's address, records)
 
     @staticmethod
@@ -120,7 +120,7 @@ class CpuLayers:
                 and attention.v_cache.is_contiguous()):
             raise ValueError("cpu_layers: h and the caches must be contiguous float32")
         m, (t, hidden) = attention.meta, h.shape
-        _, hq, hkv, d, inter = self.shape_
+        _, hq, hkv, d, inter = self.sizes
         kv_start, index = attention.own_part()
         block = max(1, min(t, mlp_rows))
         scale = attention.scale if self.scale is None else self.scale
