@@ -227,7 +227,7 @@ def _ptr(t: torch.Tensor | None) -> int:
 
 
 def checked_blocks(blocks: torch.Tensor | None, panels: torch.Tensor,
-             parts: torch.Tensor | None) -> torch.Tensor | None:
+                   parts: torch.Tensor | None) -> torch.Tensor | None:
     """blocks, where they are pack_q4's of panels and come with its two parts (else
     ValueError: larger products take the parts, and must take the same sums)."""
     if blocks is None:
