@@ -22,34 +22,24 @@ from kernels.cpu import layers as cpu_layers
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
+from kernels.cpu.checks import address, int32_indices
 
 if TYPE_CHECKING:
     from batchllm.model.decoder import DecoderModel
     from batchllm.model.linear import Linear
 
 
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
-
-
 def _projection(p: Linear) -> cpu_layers.Projection:
     """p's weight as cpu_linear takes it, its parts and blocks checked once here (linear.py's
     checks, made there at every call)."""
     blocks = cpu_linear.checked_blocks(p.blocks, p.panels, p.parts)
-    return cpu_layers.Projection(p.panels.data_ptr(), _ptr(p.parts),
-                                 cpu_linear.part_count(p.parts, p.panels), _ptr(blocks),
-                                 _ptr(p.panel_bias), p.out_features)
+    return cpu_layers.Projection(p.panels.data_ptr(), address(p.parts),
+                                 cpu_linear.part_count(p.parts, p.panels), address(blocks),
+                                 address(p.panel_bias), p.out_features)
 
 
 def _float_rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous()
-
-
-def _int32(t: torch.Tensor) -> torch.Tensor:
-    """A step table as the attention kernels take it (kernels/cpu/checks.py's rule)."""
-    if t.dtype != torch.int32:
-        raise TypeError("cpu_layers: page tables, lengths and indices are int32")
-    return t.contiguous()
 
 
 class CpuLayers:
@@ -126,28 +116,25 @@ class CpuLayers:
         scale = attention.scale if self.scale is None else self.scale
         shape = cpu_layers.Shape(hidden, hq, hkv, d, inter, attention.k_cache.shape[2], block,
                                  self.model.eps, scale)
-        buffers = {name: torch.empty(rows, cols, dtype=torch.float32) for name, rows, cols in (
-            ("x", t, hidden), ("qkv", t, (hq + 2 * hkv) * d), ("o", t, hq * d), ("lse", t, hq),
-            ("a", t, hidden), ("gate_up", block, self.width), ("act", block, inter),
-            ("m", block, hidden))}
+        # x, qkv, o, lse, a, gate_up, act, m: Step's buffers, in its order
+        buffers = [torch.empty(rows, cols, dtype=torch.float32) for rows, cols in (
+            (t, hidden), (t, (hq + 2 * hkv) * d), (t, hq * d), (t, hq), (t, hidden),
+            (block, self.width), (block, inter), (block, hidden))]
         pos = positions.to(torch.int64).contiguous()
         slots = m.slot_mapping.to(torch.int64).contiguous()
-        table, cu, ctx, start = (_int32(x) for x in (m.page_table, m.cu_q, m.context_lens,
-                                                     kv_start))
-        dec_seqs, dec_rows, chunk_seqs = (_int32(x) for x in (index.decode_seqs,
-                                                              index.decode_rows,
-                                                              index.chunk_seqs))
+        table, cu, ctx, start, dec_seqs, dec_rows, chunk_seqs = int32_indices(
+            "cpu_layers", (m.page_table, m.cu_q, m.context_lens, kv_start, index.decode_seqs,
+                           index.decode_rows, index.chunk_seqs))
         groups = m.prefix_lens.shape[0] if m.cascade_rows else 0
-        pages, lens, cu_prefix = ((_int32(x) for x in (m.prefix_pages, m.prefix_lens,
-                                                        m.cu_prefix_q))
+        pages, lens, cu_prefix = (int32_indices("cpu_layers", (m.prefix_pages, m.prefix_lens,
+                                                              m.cu_prefix_q))
                                   if groups else (None, None, None))
         step = cpu_layers.Step(
             t, pos.data_ptr(), slots.data_ptr(), table.data_ptr(), table.shape[1], cu.data_ptr(),
             ctx.data_ptr(), start.data_ptr(), dec_seqs.data_ptr(), dec_rows.data_ptr(),
-            len(dec_seqs), chunk_seqs.data_ptr(), len(chunk_seqs), groups, _ptr(pages),
-            pages.shape[1] if groups else 0, _ptr(lens), _ptr(cu_prefix), h.data_ptr(),
-            *(buffers[n].data_ptr() for n in ("x", "qkv", "o", "lse", "a", "gate_up", "act",
-                                               "m")))
+            len(dec_seqs), chunk_seqs.data_ptr(), len(chunk_seqs), groups, address(pages),
+            pages.shape[1] if groups else 0, address(lens), address(cu_prefix), h.data_ptr(),
+            *(b.data_ptr() for b in buffers))
         failed = cpu_layers.run(shape, self._records(attention), step)
         if failed >= 0:
             table_len = self.model.layers[failed].attn.cos.shape[0]

@@ -40,6 +40,7 @@ from collections.abc import Sequence
 import torch
 
 from kernels.cpu.build import load_library
+from kernels.cpu.checks import address
 
 PANEL = 16  # columns of W per panel (the kernel's NR)
 
@@ -174,8 +175,8 @@ def linear(
     if x.shape[0]:
         blocks = checked_blocks(blocks, panels, parts)
         load().cpu_linear(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1], panels.data_ptr(),
-                          _ptr(parts), part_count(parts, panels), _ptr(blocks), _ptr(bias), n,
-                          y.data_ptr())
+                          address(parts), part_count(parts, panels), address(blocks),
+                          address(bias), n, y.data_ptr())
     return y
 
 
@@ -211,8 +212,8 @@ def linear_argmax(
                          f"from argmax_bounds, got {bounds.dtype} {tuple(bounds.shape)}")
     if x.shape[0]:
         load().cpu_linear_argmax(x.data_ptr(), x.shape[0], x.stride(0), x.shape[1],
-                                 panels.data_ptr(), _ptr(parts), part_count(parts, panels),
-                                 _ptr(bias), _ptr(bounds), n, ids.data_ptr())
+                                 panels.data_ptr(), address(parts), part_count(parts, panels),
+                                 address(bias), address(bounds), n, ids.data_ptr())
     return ids
 
 
@@ -220,10 +221,6 @@ def argmax_exact_panels() -> int:
     """How many (16-row tile, panel) pairs the process's last linear_argmax computed exactly
     after its first pass on W's high parts; -1 where it took the whole product (for tests)."""
     return load().cpu_linear_argmax_exact_panels()
-
-
-def _ptr(t: torch.Tensor | None) -> int:
-    return 0 if t is None else t.data_ptr()
 
 
 def checked_blocks(blocks: torch.Tensor | None, panels: torch.Tensor,
