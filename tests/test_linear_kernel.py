@@ -9,6 +9,7 @@ the greedy rows' lm_head takes, which must return torch.argmax of the kernel's o
 
 import functools
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -86,18 +87,33 @@ def test_every_row_count_matches_float64(n, k, bias):
                                    msg=lambda s, m=m: f"{m} rows: {s}")
 
 
-def planted(m: int, n: int, k: int, gen: torch.Generator, bias: bool):
-    """x [m, k], w [n, k], b: row r's largest logit sits at two equal columns (identical weight
-    rows aligned with x[r]), the first in an early panel, the second in a late one (the other
-    thread's half): the argmax must be the first."""
-    x = torch.randn(m, k, generator=gen)
-    w = torch.randn(n, k, generator=gen) / k**0.5
-    b = torch.randn(n, generator=gen) if bias else None
-    cols = torch.randperm(n, generator=gen)[: 2 * m].view(m, 2).sort(dim=1).values
+def exact(gen: np.random.Generator, shape: tuple[int, ...], lo: int, hi: int,
+          scale: float) -> torch.Tensor:
+    """Integers in [lo, hi] times a power of two, as float32: every product and partial sum of
+    the tests' shapes is exact in float32, so the kernel's sums equal float64's in any order and
+    on any instruction set. numpy's integer generator gives the same values on every machine
+    (torch.randn's CPU kernels differ by instruction set, so its data did not)."""
+    return torch.from_numpy(gen.integers(lo, hi + 1, size=shape).astype(np.float32) * scale)
+
+
+def planted(m: int, n: int, k: int, gen: np.random.Generator, bias: bool):
+    """x [m, k], w [n, k], b: row r's largest logit sits at two equal columns (weight rows equal
+    to x[r]), the first in an early panel, the second in a late one (the other thread's half):
+    the argmax must be the first. Values in quarters and eighths (`exact`), so every logit is
+    the same number in float32 and float64 and no near tie can be read two ways; the planted
+    maximum is checked to be strict in float64."""
+    x = exact(gen, (m, k), -4, 4, 0.25)
+    w = exact(gen, (n, k), -4, 4, 0.125)
+    b = exact(gen, (n,), -8, 8, 0.25) if bias else None
+    cols = torch.from_numpy(gen.permutation(n)[: 2 * m].reshape(m, 2)).sort(dim=1).values
     for r, (lo, hi) in enumerate(cols.tolist()):
-        w[lo] = w[hi] = 3 * x[r] / x[r].norm()
+        w[lo] = w[hi] = x[r]
         if b is not None:
             b[lo] = b[hi] = 0.5
+    logits = F.linear(x.double(), w.double(), None if b is None else b.double())
+    top2 = logits.topk(3, dim=-1).values
+    assert torch.all(top2[:, 0] == top2[:, 1]) and torch.all(top2[:, 1] > top2[:, 2]), \
+        "the planted pair is not each row's strict maximum: change the seed"
     return x, w, b, cols[:, 0]
 
 
@@ -105,16 +121,19 @@ def planted(m: int, n: int, k: int, gen: torch.Generator, bias: bool):
 @pytest.mark.parametrize("m", [1, 3, 8, 16, 24, 25, 40, 64, 130])
 @pytest.mark.parametrize("bias", [False, True])
 def test_argmax_is_torch_argmax_of_the_logits(n, k, m, bias):
-    gen = torch.Generator().manual_seed(n * m + bias)
+    """On exact data (`planted`) the rule is equality, on every machine: the kernel's argmax is
+    torch.argmax of its own logits, the planted first column, and float64's argmax."""
+    gen = np.random.default_rng(n * m + bias)
     x, w, b, first = planted(m, n, k, gen, bias)
     panels, pb = packed(w, b)
     ids = cpu_linear.linear_argmax(x, panels, pb, n)
     logits = cpu_linear.linear(x, panels, pb, n)  # what the unfused path samples from
+    expected = F.linear(x.double(), w.double(), None if b is None else b.double())
+    assert torch.equal(logits.double(), expected)  # exact data: the same sums in any order
     assert ids.dtype == torch.int64 and ids.shape == (m,)
     assert torch.equal(ids, logits.argmax(dim=-1))
     assert torch.equal(ids, first)  # the planted tie: its first column
-    assert torch.equal(ids, F.linear(x.double(), w.double(),
-                                     None if b is None else b.double()).argmax(dim=-1))
+    assert torch.equal(ids, expected.argmax(dim=-1))
 
 
 def test_argmax_ties_everywhere_take_the_first_column():
