@@ -48,6 +48,12 @@ def boolean(v: Any) -> bool:
     return v
 
 
+def auto_or_boolean(v: Any) -> str | bool:
+    if v == "auto" or isinstance(v, bool):
+        return v
+    raise Bad(f"expected auto, true or false, got {show(v)}")
+
+
 def string(v: Any) -> str:
     if not isinstance(v, str) or not v:
         raise Bad(f"expected a non-empty string, got {show(v)}")

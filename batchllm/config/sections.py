@@ -54,6 +54,14 @@ class ModelConfig(_Section):
     dtype: str = _spec(c.one_of("auto", "float32", "bfloat16", "float16"), "auto")
     device: str = _spec(c.one_of("auto", "cuda", "cpu", hints={"gpu": "cuda"}), "auto")
     max_model_len: int | None = _spec(c.optional(c.positive_int), None)
+    revision: str | None = _spec(c.optional(c.string), None)  # hub ids: a branch, tag or commit
+    # null: as the checkpoint is; fp8: bf16/fp32 weights quantized to e4m3 at load
+    quantization: str | None = _spec(c.optional(c.one_of("fp8")), None)
+
+    def _cross_checks(self) -> list[str]:
+        if self.quantization is not None:  # TODO(issue 30): FP8 weights
+            return ["model.quantization: fp8 is not supported yet; leave it null"]
+        return []
 
 
 @dataclass(frozen=True)
@@ -131,6 +139,23 @@ class EngineConfig(_Section):
     sharding: str = _spec(c.one_of("auto", "tree", "partition"), "auto")
     # decode steps replayed as CUDA graphs (on CUDA; elsewhere there is nothing to capture)
     cuda_graphs: bool = _spec(c.boolean, True)
+    kv_cache_dtype: str = _spec(c.one_of("auto", "fp8"), "auto")  # fp8: e4m3, scaled per head
+    tensor_parallel: int = _spec(c.positive_int, 1)  # devices one model is split over
+    # plan step N+1 while step N runs: auto (on for CUDA) | true | false; same outputs either way
+    overlap: str | bool = _spec(c.auto_or_boolean, "auto")
+    # seconds without progress before a Ray worker is replaced
+    worker_timeout: float = _spec(lambda v: c.number(v, "a number of seconds > 0",
+                                                     lambda x: x > 0), 600.0)
+
+    def _cross_checks(self) -> list[str]:
+        errors = []
+        if self.kv_cache_dtype != "auto":  # TODO(issue 30): the FP8 KV cache
+            errors.append("engine.kv_cache_dtype: fp8 is not supported yet; use auto")
+        if self.tensor_parallel != 1:  # TODO(issue 29): tensor parallelism
+            errors.append("engine.tensor_parallel: only 1 is supported yet")
+        if self.overlap is True:  # TODO(issue 28): the overlapped step loop
+            errors.append("engine.overlap: true is not supported yet; use auto or false")
+        return errors
 
 
 @dataclass(frozen=True)

@@ -66,11 +66,16 @@ class RunMetrics:
     preemptions: int = _sum()
     prefix_evictions: int = _sum()
     steps: int = _sum()
+    steps_replayed: int = _sum()  # steps run from a captured CUDA graph
+    # the step loop's time outside the model's forward and the sampling kernels (what a device
+    # would wait for); per step: / steps
+    step_host_seconds: float = _sum(0.0)
     plan_seconds: float = _max(0.0)  # planning the rows (tree, groups, order)
     run_seconds: float = _max(0.0)  # the engine's step loop, first forward to last row
     device: str = _same("")
     dtype: str = _same("")
     model: str = _same("")
+    kernel_path: str = _same("")  # which kernels ran: cuda-triton, cpu-c-avx512, cpu-torch, ...
 
     @property
     def output_tokens_per_s(self) -> float:

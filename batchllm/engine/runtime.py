@@ -37,13 +37,22 @@ class EngineSettings:
     prefix_sharing: bool = True
     order: str = "prefix-tree"
     cuda_graphs: bool = True  # decode steps replayed as CUDA graphs (on CUDA only)
+    revision: str | None = None  # hub ids: a branch, tag or commit
+    quantization: str | None = None  # None (as the checkpoint is) | "fp8"
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype) | "fp8"
+    tensor_parallel: int = 1
+    overlap: str | bool = "auto"  # "auto" (on for CUDA) | True | False
 
     @classmethod
     def of(cls, cfg: JobConfig) -> EngineSettings:
         m, e = cfg.model, cfg.engine
-        return cls(m.dtype, m.device, m.max_model_len, e.page_size, e.kv_cache_memory,
-                   e.max_num_seqs, e.max_batched_tokens, e.prefix_sharing, cfg.planner.order,
-                   e.cuda_graphs)
+        return cls(dtype=m.dtype, device=m.device, max_model_len=m.max_model_len,
+                   page_size=e.page_size, kv_cache_memory=e.kv_cache_memory,
+                   max_num_seqs=e.max_num_seqs, max_batched_tokens=e.max_batched_tokens,
+                   prefix_sharing=e.prefix_sharing, order=cfg.planner.order,
+                   cuda_graphs=e.cuda_graphs, revision=m.revision, quantization=m.quantization,
+                   kv_cache_dtype=e.kv_cache_dtype, tensor_parallel=e.tensor_parallel,
+                   overlap=e.overlap)
 
 
 class Runtime:
