@@ -1,14 +1,20 @@
 """Rows in: a file, a folder or a glob (local or on object storage) -> InputRows (plain data).
 
 Parquet, JSON Lines and CSV files (input.format, by extension when auto: rows/tables.py), or an
-OpenAI Batch file (input.format: openai-batch: rows/openai_batch.py). Files are read in sorted
-path order, rows in file order; the row index over all files is the row's identity for
-checkpoints and output order. Only the needed columns are read.
+OpenAI Batch file (input.format: openai-batch: rows/openai_batch.py, read line by line). Files
+are read in sorted path order, rows in file order; the row index over all files is the row's
+identity for checkpoints and output order. Only the needed columns are read.
+
+What is wrong with the whole input (a missing column, a column of the wrong type, duplicate
+ids) stops the job before it starts (ConfigError); what is wrong with one row (a cell that is
+not valid UTF-8, a value nested too deep, a per-row value out of range) makes that row an error
+row naming the field, and the other rows run.
 """
 
 from __future__ import annotations
 
 import difflib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -17,7 +23,9 @@ import pyarrow.compute as pc
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
 from batchllm.rows.openai_batch import parse_batch
-from batchllm.rows.tables import EXTENSIONS, column_names, read_table
+from batchllm.rows.tables import EXTENSIONS, BadCells, column_names, read_table
+
+READ_BYTES = 1 << 22  # an OpenAI Batch file is read this many bytes at a time
 
 
 @dataclass(frozen=True)
@@ -81,7 +89,7 @@ def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigErro
 
 
 def _read(file: str, cfg: InputConfig, wanted: list[str | None],
-          row_groups: list[int] | None = None) -> pa.Table:
+          row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
     return read_table(file, cfg.format, wanted, [_text_field(cfg)[0]], row_groups)
 
 
@@ -192,18 +200,21 @@ def _check_schema(schema: pa.Schema, cfg: InputConfig,
                 _check_override(name, t)
 
 
+def _integral(v: float | None) -> int | float | None:
+    """A float that holds an integer, as the int (pandas writes integers with nulls as
+    float64); any other float as it is, for the row's check to refuse."""
+    return int(v) if v is not None and v.is_integer() else v
+
+
 def _override(name: str, col: pa.ChunkedArray) -> list:
     """One per-row sampling column as Python values (None: the job default).
 
-    Only the column's type is checked here; a value out of range (max_tokens 0) is left for the
-    engine to turn into an error row, so one bad row does not stop the job."""
+    Only the column's type is checked here; a value out of range (max_tokens 0, 2.5 or 1e300)
+    is left for the row's check to make an error row, so one bad row does not stop the job."""
     if pa.types.is_dictionary(col.type):
         col = col.cast(col.type.value_type)
     if pa.types.is_floating(col.type) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers":
-        try:  # e.g. pandas wrote integers with nulls as float64
-            col = col.cast(pa.int64())
-        except pa.ArrowInvalid:
-            pass
+        return [_integral(v) for v in col.to_pylist()]
     _check_override(name, col.type)
     values = col.to_pylist()
     if name == "stop":
@@ -220,8 +231,18 @@ def _text_field(cfg: InputConfig) -> tuple[str, str]:
     return cfg.prompt_column, "input.prompt_column"
 
 
+def _bad_cell(cfg: InputConfig, column: str, why: str) -> str:
+    """A row's error for a cell that could not be read, naming the field."""
+    text, field = _text_field(cfg)
+    if column == text:
+        return f"{field}: {why}"
+    if column == cfg.id_column:
+        return f"input.id_column: {why}; the row's id is written with the bad bytes escaped"
+    return f"sampling.{column} (a per-row input column): {why}"
+
+
 def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ...],
-          sampling_fields: tuple[str, ...]) -> InputRows:
+          sampling_fields: tuple[str, ...], bad: BadCells) -> InputRows:
     text, field = _text_field(cfg)
     prompts = messages = None
     if cfg.messages_column:
@@ -230,17 +251,18 @@ def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ..
         prompts = _strings(table.column(text), field, text)
     overrides = {name: _override(name, table.column(name))
                  for name in sampling_fields if name in table.column_names and name != text}
+    errors = {row: _bad_cell(cfg, column, why) for row, (column, why) in bad.items()}
     return InputRows(ids=ids, prompts=prompts, messages=messages, overrides=overrides,
-                     num_rows=table.num_rows, files=files)
+                     num_rows=table.num_rows, files=files, errors=errors)
 
 
 def _read_file(file: str, cfg: InputConfig, sampling_fields: tuple[str, ...],
-               row_groups: list[int] | None = None) -> pa.Table:
+               row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
     text, field = _text_field(cfg)
-    table = _read(file, cfg, [cfg.id_column, text, *sampling_fields], row_groups)
+    table, bad = _read(file, cfg, [cfg.id_column, text, *sampling_fields], row_groups)
     if text not in table.column_names:
         raise _missing(field, text, file, column_names(file, cfg.format))
-    return table
+    return table, bad
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
@@ -257,22 +279,38 @@ def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIE
     files = input_files(cfg.path, cfg.format)
     if cfg.format == "openai-batch":
         return _read_batch(files, sampling_fields)
-    tables = [_read_file(file, cfg, sampling_fields) for file in files]
+    tables, bad, first = [], {}, 0
+    for file in files:
+        table, cells = _read_file(file, cfg, sampling_fields)
+        bad.update((first + row, why) for row, why in cells.items())
+        tables.append(table)
+        first += table.num_rows
     table = _concat(tables)
     ids = _ids(table, cfg, files, tables, table.num_rows)
-    return _rows(table, ids, cfg, tuple(files), sampling_fields)
+    return _rows(table, ids, cfg, tuple(files), sampling_fields, bad)
+
+
+def batch_lines(file: str, read_bytes: int = READ_BYTES) -> Iterator[bytes]:
+    """The lines of a file as bytes (as bytes.splitlines splits them), read `read_bytes` at a
+    time: a large OpenAI Batch file is never in memory whole. ConfigError if it cannot be
+    read."""
+    try:
+        with storage.open_bytes(file) as f:
+            rest = b""
+            while block := f.read(read_bytes):
+                lines = (rest + block).splitlines(keepends=True)
+                # the last line may go on in the next block (a "\r" may be half of "\r\n")
+                rest = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
+                yield from (line.rstrip(b"\r\n") for line in lines)
+            if rest:
+                yield from rest.splitlines()
+    except OSError as e:
+        raise ConfigError(f"input.path: cannot read {file}: {e}") from None
 
 
 def _read_batch(files: list[str], sampling_fields: tuple[str, ...]) -> InputRows:
-    """OpenAI Batch files: ids are the custom_ids."""
-    texts = []
-    for file in files:
-        try:
-            with storage.open_bytes(file) as f:
-                texts.append((file, f.read().splitlines()))
-        except OSError as e:
-            raise ConfigError(f"input.path: cannot read {file}: {e}") from None
-    b = parse_batch(texts, sampling_fields)
+    """OpenAI Batch files, line by line: ids are the custom_ids."""
+    b = parse_batch([(file, batch_lines(file)) for file in files], sampling_fields)
     return InputRows(ids=pa.array(b.ids, pa.string()), prompts=b.prompts, messages=b.messages,
                      overrides=b.overrides, num_rows=len(b.ids), files=tuple(files),
                      errors=b.errors, prompts_as_is=True)
