@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
+from batchllm.rows.json_lines import lines
 from batchllm.rows.reader import (
     InputRows,
     _check_schema,
@@ -24,7 +25,6 @@ from batchllm.rows.reader import (
     _read_file,
     _rows,
     _text_field,
-    batch_lines,
     input_files,
 )
 from batchllm.rows.tables import file_format, row_count
@@ -57,7 +57,7 @@ def count_rows(cfg: InputConfig) -> int:
     """The number of input rows (of Parquet files, from their footers)."""
     if cfg.format == "openai-batch":
         return sum(1 for f in input_files(cfg.path, cfg.format)
-                   for line in batch_lines(f) if line.strip())
+                   for line in lines(f) if line.strip())
     return sum(row_count(f, cfg.format) for f in input_files(cfg.path, cfg.format))
 
 

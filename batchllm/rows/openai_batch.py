@@ -20,12 +20,12 @@ id "line-N". Lines are parsed as they are read: a file is never in memory whole.
 from __future__ import annotations
 
 import json
-import re
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
-from batchllm.config.limits import stop_problem, too_deep
+from batchllm.config.limits import stop_problem
+from batchllm.rows.json_lines import SURROGATE, load
 from batchllm.sampling_params import MAX_N, MAX_TOKENS, SEEDS
 
 CHAT = "/v1/chat/completions"
@@ -36,12 +36,6 @@ _IGNORED = {"model": None, "user": None, "metadata": None, "store": None, "servi
             "presence_penalty": 0, "parallel_tool_calls": None, "echo": False, "best_of": 1,
             "suffix": None}
 _ROLES = {"system", "user", "assistant", "developer"}
-# A surrogate in a decoded string: a byte that is not UTF-8 (decoded with surrogateescape), or a
-# lone \udXXX escape (a pair of them is one character, and json.loads joins it).
-_SURROGATE = re.compile("[\ud800-\udfff]")
-_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89a-fA-F]")
-
-
 @dataclass
 class BatchRequests:
     """The requests of a batch file, one entry per non-blank line, in file order. A row is chat
@@ -215,46 +209,9 @@ def _request(obj: Any, fields: tuple[str, ...]) -> tuple[str, Any, dict[str, Any
     return ("chat" if chat else "completion"), text, values
 
 
-def _bad_text(obj: Any) -> str | None:
-    """The path of the first string (key or value) in a parsed line that is not valid text
-    (it holds a surrogate: a byte that is not UTF-8, or a lone escape), e.g.
-    body.messages[0].content; None if there is none. Not recursive."""
-    todo: list[tuple[Any, str]] = [(obj, "")]
-    while todo:
-        v, path = todo.pop()
-        if isinstance(v, str):
-            if _SURROGATE.search(v):
-                return path or "line"
-        elif isinstance(v, dict):
-            for key, x in reversed(v.items()):
-                if _SURROGATE.search(key):
-                    return f"{path}.{key!r}" if path else repr(key)
-                todo.append((x, f"{path}.{key}" if path else key))
-        elif isinstance(v, list):
-            todo.extend((x, f"{path}[{i}]") for i, x in reversed(list(enumerate(v))))
-    return None
-
-
-def _load(line: bytes | str) -> tuple[Any, str | None]:
-    """(a line's JSON value, why it cannot be used as a whole; None when it can)."""
-    text = line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
-    deep = too_deep(text)
-    if deep:
-        return None, deep
-    try:
-        obj = json.loads(text)
-    except (ValueError, RecursionError) as e:
-        return None, f"not valid JSON ({e})"
-    if _SURROGATE.search(text) or _SURROGATE_ESCAPE.search(text):
-        path = _bad_text(obj)
-        if path is not None:
-            return obj, f"{path}: not valid UTF-8 text"
-    return obj, None
-
-
 def _unique_id(wanted: Any, taken: set[str], line: int) -> tuple[str, str | None]:
     """(the row's id, or why the line's custom_id cannot be it)."""
-    if isinstance(wanted, str) and _SURROGATE.search(wanted):
+    if isinstance(wanted, str) and SURROGATE.search(wanted):
         wanted = None  # not text: the line's error says so
     if isinstance(wanted, str) and wanted and wanted not in taken:
         return wanted, None
@@ -280,7 +237,7 @@ def parse_batch(files: list[tuple[str, Iterable[bytes | str]]],
             if not line.strip():
                 continue
             kind, text, sampling = None, None, {}
-            obj, why = _load(line)
+            obj, why = load(line)
             wanted = obj.get("custom_id") if isinstance(obj, dict) else None
             row_id, id_problem = _unique_id(wanted, taken, number)
             taken.add(row_id)

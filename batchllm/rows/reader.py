@@ -14,7 +14,6 @@ row naming the field, and the other rows run.
 from __future__ import annotations
 
 import difflib
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import pyarrow as pa
@@ -22,10 +21,10 @@ import pyarrow.compute as pc
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
+from batchllm.rows.json_lines import lines
 from batchllm.rows.openai_batch import parse_batch
+from batchllm.rows.overrides import COLUMN_KINDS, check_override, override
 from batchllm.rows.tables import EXTENSIONS, BadCells, column_names, read_table
-
-READ_BYTES = 1 << 22  # an OpenAI Batch file is read this many bytes at a time
 
 
 @dataclass(frozen=True)
@@ -147,38 +146,6 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
     return ids
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _is_text_or_texts(t: pa.DataType) -> bool:
-    return _is_text(t) or (
-        (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_text(t.value_type))
-
-
-_COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
-    "max_tokens": (pa.types.is_integer, "integers"),
-    "n": (pa.types.is_integer, "integers"),
-    "logprobs": (pa.types.is_integer, "integers"),
-    "json_schema": (_is_text, "strings (a JSON schema per row)"),
-    "regex": (_is_text, "strings"),
-    "choice": (_is_text_or_texts, "lists of strings, or strings holding a JSON list"),
-    "top_k": (pa.types.is_integer, "integers"),
-    "seed": (pa.types.is_integer, "integers"),
-    "temperature": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "top_p": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "ignore_eos": (pa.types.is_boolean, "booleans"),
-    "stop": (_is_text_or_texts, "strings or lists of strings"),
-}
-
-
-def _check_override(name: str, t: pa.DataType) -> None:
-    ok, words = _COLUMN_KINDS.get(name, (lambda t: True, ""))
-    if not (ok(t) or pa.types.is_null(t)):
-        raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
-                          f"{t}; expected {words}")
-
-
 def _check_schema(schema: pa.Schema, cfg: InputConfig,
                   sampling_fields: tuple[str, ...]) -> None:
     """The column types read_input checks, from a file's schema alone (a float column for an
@@ -196,32 +163,8 @@ def _check_schema(schema: pa.Schema, cfg: InputConfig,
     for name in sampling_fields:
         if name in schema.names and name != text:
             t = value_type(name)
-            if not (pa.types.is_floating(t) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
-                _check_override(name, t)
-
-
-def _integral(v: float | None) -> int | float | None:
-    """A float that holds an integer, as the int (pandas writes integers with nulls as
-    float64); any other float as it is, for the row's check to refuse."""
-    return int(v) if v is not None and v.is_integer() else v
-
-
-def _override(name: str, col: pa.ChunkedArray) -> list:
-    """One per-row sampling column as Python values (None: the job default).
-
-    Only the column's type is checked here; a value out of range (max_tokens 0, 2.5 or 1e300)
-    is left for the row's check to make an error row, so one bad row does not stop the job."""
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    if pa.types.is_floating(col.type) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers":
-        return [_integral(v) for v in col.to_pylist()]
-    _check_override(name, col.type)
-    values = col.to_pylist()
-    if name == "stop":
-        values = [v if v is None else (v,) if isinstance(v, str) else tuple(v) for v in values]
-    elif name == "choice":  # a list column; a string column holds JSON (SamplingParams parses)
-        values = [tuple(v) if isinstance(v, list) else v for v in values]
-    return values
+            if not (pa.types.is_floating(t) and COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
+                check_override(name, t)
 
 
 def _text_field(cfg: InputConfig) -> tuple[str, str]:
@@ -249,7 +192,7 @@ def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ..
         messages = _messages(table.column(text), text)
     else:
         prompts = _strings(table.column(text), field, text)
-    overrides = {name: _override(name, table.column(name))
+    overrides = {name: override(name, table.column(name))
                  for name in sampling_fields if name in table.column_names and name != text}
     errors = {row: _bad_cell(cfg, column, why) for row, (column, why) in bad.items()}
     return InputRows(ids=ids, prompts=prompts, messages=messages, overrides=overrides,
@@ -290,27 +233,9 @@ def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIE
     return _rows(table, ids, cfg, tuple(files), sampling_fields, bad)
 
 
-def batch_lines(file: str, read_bytes: int = READ_BYTES) -> Iterator[bytes]:
-    """The lines of a file as bytes (as bytes.splitlines splits them), read `read_bytes` at a
-    time: a large OpenAI Batch file is never in memory whole. ConfigError if it cannot be
-    read."""
-    try:
-        with storage.open_bytes(file) as f:
-            rest = b""
-            while block := f.read(read_bytes):
-                lines = (rest + block).splitlines(keepends=True)
-                # the last line may go on in the next block (a "\r" may be half of "\r\n")
-                rest = lines.pop() if lines and not lines[-1].endswith(b"\n") else b""
-                yield from (line.rstrip(b"\r\n") for line in lines)
-            if rest:
-                yield from rest.splitlines()
-    except OSError as e:
-        raise ConfigError(f"input.path: cannot read {file}: {e}") from None
-
-
 def _read_batch(files: list[str], sampling_fields: tuple[str, ...]) -> InputRows:
     """OpenAI Batch files, line by line: ids are the custom_ids."""
-    b = parse_batch([(file, batch_lines(file)) for file in files], sampling_fields)
+    b = parse_batch([(file, lines(file)) for file in files], sampling_fields)
     return InputRows(ids=pa.array(b.ids, pa.string()), prompts=b.prompts, messages=b.messages,
                      overrides=b.overrides, num_rows=len(b.ids), files=tuple(files),
                      errors=b.errors, prompts_as_is=True)

@@ -7,10 +7,14 @@ else Parquet (as before formats existed). Every error is a ConfigError naming th
 A row that one bad cell would make the whole file unreadable for is reported instead, and
 the rest read (`read_table`'s second result): a text cell that is not valid UTF-8, in any
 format (rows/text_cells.py), or a JSON Lines value nested deeper than config.limits.MAX_DEPTH
-(polars gives up on the whole file at about 100 levels), which is read as null.
+(polars gives up on the whole file at about 100 levels), which is read as null. A JSON Lines
+file that polars refuses is read line by line in Python (also a number such as 1e400, which
+polars refuses and Python reads as infinite).
 """
 
 from __future__ import annotations
+
+import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -63,41 +67,54 @@ def _unreadable(file: str, fmt: str, e: BaseException) -> ConfigError:
     return ConfigError(f"input.path: cannot read {file} as {words}: {e}")
 
 
-def _shallow_lines(text: str) -> tuple[str, BadCells]:
-    """JSON Lines with each value nested deeper than MAX_DEPTH replaced by null, and those rows
-    (blank lines are no rows, as for polars) with the value's path."""
-    lines, deep, row = text.split("\n"), {}, 0
-    for k, line in enumerate(lines):
+def _json_lines(text: str) -> tuple[object, BadCells]:
+    """JSON Lines read line by line in Python, as polars reads them (blank lines are no rows),
+    where polars refuses the whole file: a column whose value nests deeper than MAX_DEPTH is
+    read as null in that row, and the row reported with the path; a number past a float's range is infinite (for the
+    row's check to refuse). ValueError naming the line for a line that is not a JSON object."""
+    import polars as pl
+
+    rows, deep = [], {}
+    for number, line in enumerate(text.split("\n"), 1):
         if not line.strip(" \t\r\f\v"):
             continue
         spans = too_deep_spans(line)
-        for path, start, end in reversed(spans):
+        for _, start, end in reversed(spans):
             line = line[:start] + "null" + line[end:]
+        try:
+            obj = json.loads(line)
+        except (ValueError, RecursionError) as e:
+            raise ValueError(f"line {number} is not valid JSON ({e})") from None
+        if not isinstance(obj, dict):
+            raise TypeError(f"line {number} is not a JSON object")
+        for path, _, _ in spans:  # the whole column: Arrow's types nest 64 deep at most
+            obj[path.split(".")[0].split("[")[0]] = None
         if spans:
-            lines[k] = line
             path = spans[0][0]
-            column = path.split(".")[0].split("[")[0]
             shown = path if len(path) <= 60 else path[:57] + "..."
-            deep[row] = (column, f"{shown} is nested more than {MAX_DEPTH} levels deep")
-        row += 1
-    return "\n".join(lines), deep
+            column = path.split(".")[0].split("[")[0]
+            deep[len(rows)] = (column, f"{shown} is nested more than {MAX_DEPTH} levels deep")
+        rows.append(obj)
+    return pl.from_dicts(rows, infer_schema_length=None), deep
 
 
 def _polars_lenient(file: str, fmt: str, text_columns: list[str]):
-    """(the file as a polars frame, the marker of bad bytes or None, rows made readable by
-    nulling too-deep values): read as it is, and only when polars refuses it, again with bad
-    bytes marked and (JSON Lines) too-deep values nulled."""
+    """(the file as a polars frame, the marker of bad bytes or None, rows whose too-deep values
+    were read as null): read by polars as it is, and only when polars refuses it, again with
+    bad bytes marked (text_cells.mark_bad_bytes) and (JSON Lines) line by line."""
     try:
         return _polars(file, fmt, text_columns), None, {}
     except Exception as e:  # noqa: BLE001 - polars raises its own kinds, and RecursionError
         first = e
     with storage.open_bytes(file) as f:
         text, marker = mark_bad_bytes(f.read())
-    text, deep = _shallow_lines(text) if fmt == "jsonl" else (text, {})
-    if marker is None and not deep:
+    if fmt == "jsonl":
+        frame, deep = _json_lines(text)
+        return frame, marker, deep
+    if marker is None:
         raise first
     try:
-        return _polars(text.encode(), fmt, text_columns), marker, deep
+        return _polars(text.encode(), fmt, text_columns), marker, {}
     except Exception:  # noqa: BLE001 - what is wrong is not what was mended
         raise first from None
 
