@@ -62,7 +62,13 @@ def _bad_text(obj: Any) -> str | None:
 
 def load(line: bytes | str) -> tuple[Any, str | None]:
     """(a line's JSON value, why it cannot be used as a whole; None when it can)."""
-    text = line.decode("utf-8", "surrogateescape") if isinstance(line, bytes) else line
+    if isinstance(line, bytes):
+        try:
+            text, bad = line.decode("utf-8"), False
+        except UnicodeDecodeError:
+            text, bad = line.decode("utf-8", "surrogateescape"), True
+    else:
+        text, bad = line, SURROGATE.search(line) is not None
     deep = too_deep(text)
     if deep:
         return None, deep
@@ -70,7 +76,7 @@ def load(line: bytes | str) -> tuple[Any, str | None]:
         obj = json.loads(text)
     except (ValueError, RecursionError) as e:
         return None, f"not valid JSON ({e})"
-    if SURROGATE.search(text) or SURROGATE_ESCAPE.search(text):
+    if bad or ("\\u" in text and SURROGATE_ESCAPE.search(text)):
         path = _bad_text(obj)
         if path is not None:
             return obj, f"{path}: not valid UTF-8 text"
