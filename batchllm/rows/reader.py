@@ -180,7 +180,7 @@ def _bad_cell(cfg: InputConfig, column: str, why: str) -> str:
     if column == text:
         return f"{field}: {why}"
     if column == cfg.id_column:
-        return f"input.id_column: {why}; the row's id is written with the bad bytes escaped"
+        return f"input.id_column: {why}; the row's id is written with its bad bytes replaced"
     return f"sampling.{column} (a per-row input column): {why}"
 
 
