@@ -57,10 +57,6 @@ def run(
     cfg = None
     try:
         cfg = load_job(job, overrides)
-        if cfg.engine.workers <= 1:  # one process: nothing hands pyarrow pandas objects
-            from batchllm.rows import pandas_probe
-
-            pandas_probe.settle()
         metrics = run_job(cfg, progress=not quiet, progress_every=progress_every,
                           resume=resume_command(job, overrides), started=started)
     except _start_errors() as e:
