@@ -17,7 +17,7 @@ import pytest
 from job_files import ops_job, ops_reference, output_row, start_cli, tiny_job
 
 from batchllm.config import load_job
-from batchllm.rows.fingerprint import fingerprint
+from batchllm.resume import job_fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
 
@@ -142,7 +142,7 @@ def test_bad_parts_are_moved_aside_named_and_counted(tmp_path):
     job = ops_job(tmp_path, "run")
     out = tmp_path / "run" / "out.parquet"
     cfg = load_job(job)
-    ours = fingerprint(cfg, read_input(cfg.input).files)
+    ours = job_fingerprint(cfg, read_input(cfg.input).files)
     lines = ops_reference().to_pylist()
 
     def write_part(fp: dict, rows: range) -> Path:

@@ -21,7 +21,7 @@ from batchllm.config import ConfigError, load_job
 from batchllm.job import run_job
 from batchllm.model.weights import load_tokenizer
 from batchllm.plan_report import plan_job
-from batchllm.rows.fingerprint import fingerprint
+from batchllm.resume import job_fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import partitioned
@@ -205,7 +205,8 @@ def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
     job = make_job(tmp_path, "resume", workers=2)
     cfg = load_job(str(job), ["output.mode=resume"])
     done = list(range(0, ROWS, 3))
-    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, read_input(cfg.input).files))
+    writer = CheckpointWriter(cfg.output.path,
+                              job_fingerprint(cfg, read_input(cfg.input).files))
     for i in done:
         writer.add(output_row(i, single.slice(i, 1).to_pylist()[0]))
     writer.flush()
