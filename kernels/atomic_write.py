@@ -54,16 +54,19 @@ def atomic_path(path: str | os.PathLike, mode: int | None = None,
     """A fresh temporary path beside `path`, for a writer that needs a name (a compiler's -o);
     renamed over `path` when the block ends without an error, removed otherwise.
 
-    mode: the file's permission bits (default: 0o666 less the umask, as open() gives);
-    durable: fsync the file and the folder (off for caches that may be lost)."""
+    mode: the file's permission bits, set again once the writer is done (a linker makes its
+    output anew); default: 0o666 less the umask, as open() gives. durable: fsync the file and
+    the folder (off for caches that may be lost)."""
     path = os.fspath(path)
     folder, name = os.path.split(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
+    bits = (_FILE_MODE & ~_umask()) if mode is None else mode
     try:
-        os.fchmod(fd, (_FILE_MODE & ~_umask()) if mode is None else mode)
+        os.fchmod(fd, bits)
         os.close(fd)
         fd = -1
         yield tmp
+        os.chmod(tmp, bits)
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
