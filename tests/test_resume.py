@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
 from hf_reference import tiny_model_folder
@@ -150,11 +151,17 @@ def test_sigkill_then_resume_gives_the_same_file(tmp_path, uninterrupted, kill_a
     assert final.schema.metadata == uninterrupted.schema.metadata
     assert not Path(str(out) + ".parts").exists()
     metrics = json.loads(Path(str(out) + ".metrics.json").read_text())
-    assert metrics["rows"] == ROWS
+    # what the metrics count: the whole file's rows, this process's work under run_*
+    assert metrics["rows"] == ROWS and metrics["rows_error"] == 0
+    assert metrics["run_rows"] == ROWS - metrics["rows_resumed"]
+    in_file = pc.sum(final["completion_tokens"]).as_py()
     if kill_after_parts is None:
-        assert metrics["rows_resumed"] == ROWS
+        assert metrics["rows_resumed"] == ROWS and metrics["run_completion_tokens"] == 0
     else:
         assert 0 < metrics["rows_resumed"] < ROWS
+        assert 0 < metrics["run_completion_tokens"] < in_file
+    assert metrics["run_completion_tokens"] == metrics["completion_tokens"]
+    assert metrics["run_prefill_tokens"] == metrics["prefill_tokens"]
 
 
 def test_sigterm_flushes_and_says_how_to_resume(tmp_path, uninterrupted):

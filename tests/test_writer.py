@@ -108,8 +108,9 @@ def test_final_schema_and_metadata(tmp_path):
         "id:int64", "completion:string", "finish_reason:string", "prompt_tokens:int32",
         "completion_tokens:int32", "cached_tokens:int32", "error:string", "prompt:string",
         "token_ids:list<element: int32>"]
+    stamp = json.dumps(FP, sort_keys=True).encode()  # the job's fingerprint
     assert table.schema.metadata == {b"job": b"legal", b"model": b"m",
-                                     b"batchllm.fingerprint": json.dumps(FP, sort_keys=True).encode()}
+                                     b"batchllm.fingerprint": stamp}
     assert table.column("token_ids").to_pylist() == [[0, 1], [1, 2]]
     assert table.column("prompt_tokens").to_pylist() == [10, 11]
 
