@@ -149,8 +149,6 @@ class EngineConfig(_Section):
 
     def _cross_checks(self) -> list[str]:
         errors = []
-        if self.kv_cache_dtype != "auto":  # TODO(issue 30): the FP8 KV cache
-            errors.append("engine.kv_cache_dtype: fp8 is not supported yet; use auto")
         if self.tensor_parallel != 1:  # TODO(issue 29): tensor parallelism
             errors.append("engine.tensor_parallel: only 1 is supported yet")
         if self.overlap is True:  # TODO(issue 28): the overlapped step loop
