@@ -174,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for launch in step_plans(variant):
             reached.add(launch.kernel.fn.__name__)
             for cap in caps:
+                if launch.constexprs.get("FP8_DOT") and cap < 89:
+                    continue  # FP8 products: sm_89 and later (sm_80 takes the W8A16 launch)
                 key = binder_key(launch, cap)
                 if key not in seen:
                     seen[key] = len(_JOBS)

@@ -104,7 +104,7 @@ def measure_kv(args: argparse.Namespace) -> None:
 
 def measure_weights(args: argparse.Namespace) -> None:
     from fp8_checkpoints import fp8_checkpoint
-    from fp8_reference import greedy_logits
+    from fp8_reference import greedy_logits, hf_w8a8_model
     from hf_reference import hf_model
 
     from batchllm import LLM, SamplingParams
@@ -117,8 +117,14 @@ def measure_weights(args: argparse.Namespace) -> None:
         llm = LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=64 << 20)
         outs = llm.generate(rows, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
         refs = greedy_logits(hf_model(dequantized), rows, args.tokens, [])
-        summarize(f"{kind}, FP8 weights ({args.scheme}, {args.backend}) vs transformers on the "
+        path = os.environ.get("BATCHLLM_FP8_MATMUL", "w8a8") if args.backend == "triton" \
+            else "reference"
+        summarize(f"{kind}, FP8 weights ({args.scheme}, {path}) vs transformers on the "
                   "dequantized weights", rows, outs, refs)
+        if path == "w8a8":
+            refs = greedy_logits(hf_w8a8_model(dequantized), rows, args.tokens, [])
+            summarize(f"{kind}, FP8 weights ({args.scheme}, w8a8) vs transformers on the "
+                      "dequantized weights, inputs rounded per token", rows, outs, refs)
 
 
 def main() -> None:

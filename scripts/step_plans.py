@@ -9,6 +9,9 @@ size Hq * head_dim. Step kinds, as the runner (batchllm/engine/device_runner.py)
   mixed    prefill chunks and decodes: the decode tile, and the 64-row tiles skipping decodes
   prefill  prefill chunks only: the 64-row tiles
   shared   decodes in shared-prefix groups: the prefix part (split, combined) merged in place
+The decode and prefill steps also plan the layer's projections with FP8 weights (per channel
+and in 128x128 blocks): W8A8 (activations quantized per token, FP8 products: compiled for
+sm_89 and later only) and W8A16 (sm_80's path).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import pkgutil
 import torch
 
 import kernels.triton
+from kernels.triton.fp8_matmul import plan_fp8_linear
 from kernels.triton.gated_mul import plan_gated_mul
 from kernels.triton.grouped_matmul import plan_grouped_matmul
 from kernels.triton.launch import Launch
@@ -103,6 +107,16 @@ def step_plans(v: dict) -> list[Launch]:
                                             out=(o[:n], lse[:n]))[2]
     for gelu_tanh in (False, True):  # SiLU, and Gemma's GELU-tanh
         launches += plan_gated_mul(_empty(t, 2 * inter, dtype=dtype), gelu_tanh)[1]
+    if v["step"] in ("decode", "prefill"):  # FP8 projections: qkv, o, gate_up, down
+        fp8 = torch.float8_e4m3fn
+        for n, k in (((hq + 2 * hkv) * d, hidden), (hidden, hidden), (2 * inter, hidden),
+                     (hidden, inter)):
+            for rb, cb in ((1, k), (128, 128)):
+                scale = _empty(-(-n // rb), -(-k // cb), dtype=torch.float32)
+                for fp8_dot in (True, False):
+                    launches += plan_fp8_linear(_empty(t, k, dtype=dtype),
+                                                _empty(n, k, dtype=fp8), scale, rb, cb,
+                                                fp8_dot=fp8_dot)[1]
     if v["step"] == "prefill":  # the launchers the forward does not call on this path
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
         launches += plan_store_kv(k, k, k_cache, v_cache, slots, **scales)

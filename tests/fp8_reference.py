@@ -5,6 +5,9 @@ way, written here from the formats' definitions (not from batchllm's code).
   with the cache's scales, e4m3(x / s) * s per layer and KV head, as an attention function
   registered with transformers (AttentionInterface). Only the order of the sums differs from
   batchllm's, so DESIGN.md's float32 rule holds against it.
+- FP8 weights on the W8A8 path: transformers on the dequantized weights (tests/fp8_checkpoints.py)
+  with each quantized projection's input rounded per token to e4m3 * max|x_t| / 448, as the
+  W8A8 kernel quantizes it (a forward pre-hook on each such nn.Linear).
 - Greedy references (tokens and the logits at each of them) and the comparison of the rule for
   quantized formats: at a row's first differing token, the reference's logit of our token
   within `margin` of its top logit (README, Correctness).
@@ -99,3 +102,23 @@ def assert_within_margin(ours: list[int], ref_tokens: list[int], ref_logits: tor
                          f"{ref_tokens[pos]}; the reference's logit of ours is {d:.4f} below its "
                          f"top, more than the margin {margin}")
     return True
+
+
+_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _per_token_e4m3(module, args):
+    (x,) = args
+    scale = (x.float().abs().amax(dim=-1, keepdim=True) / 448.0).clamp(min=1e-12)
+    return ((x.float() / scale).clamp(-448.0, 448.0).to(FP8).float() * scale).to(x.dtype),
+
+
+@functools.cache
+def hf_w8a8_model(dequantized: Path, dtype: torch.dtype = torch.float32):
+    """transformers on a dequantized FP8 checkpoint, the projections' inputs rounded per token
+    to e4m3 (module docstring)."""
+    model = AutoModelForCausalLM.from_pretrained(dequantized, dtype=dtype).eval()
+    for name, module in model.named_modules():
+        if name.split(".")[-1] in _PROJECTIONS and ".experts." not in name:
+            module.register_forward_pre_hook(_per_token_e4m3)
+    return model

@@ -52,7 +52,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_without_spills():
     summary = lines[-1]
     assert summary.startswith("compile_check: 32 variants x 2 targets (sm_90, sm_80)")
     assert summary.endswith("OK")
-    assert "of 9 kernels" in summary  # every kernel of kernels/triton/ reached
+    assert "of 11 kernels" in summary  # every kernel of kernels/triton/ reached
     for cap in (90, 80):
         assert any(line.startswith(f"sm_{cap} bfloat16 _paged_attention_kernel[mixed]")
                    and "DECODE=True" in line for line in lines)

@@ -58,11 +58,6 @@ class ModelConfig(_Section):
     # null: as the checkpoint is; fp8: bf16/fp32 weights quantized to e4m3 at load
     quantization: str | None = _spec(c.optional(c.one_of("fp8")), None)
 
-    def _cross_checks(self) -> list[str]:
-        if self.quantization is not None:  # TODO(issue 30): FP8 weights
-            return ["model.quantization: fp8 is not supported yet; leave it null"]
-        return []
-
 
 @dataclass(frozen=True)
 class InputConfig(_Section):

@@ -13,7 +13,8 @@ from batchllm.model import attention, panel_cache
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
-from batchllm.model.fp8_checkpoint import KvScales, take_kv_scales
+from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_scales
+from batchllm.model.rotary import head_permutation
 from batchllm.model.weights import (
     eos_token_ids,
     load_config,
@@ -77,9 +78,11 @@ def describe_model(path: str, dtype: str = "auto", device: str = "auto",
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None
+    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """`path` is a built-in alias or a local Hugging Face folder."""
+    """`path` is a built-in alias or a local Hugging Face folder; quantization: None (as the
+    checkpoint is) or "fp8" (its projections quantized at load)."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path)
@@ -87,6 +90,7 @@ def load_model(
     config, state = load_weights(folder, dt, dev)
     shape = model_shape(config)
     kv_scales = take_kv_scales(state, shape.num_layers, shape.num_kv_heads)  # fp8_checkpoint.py
+    take_fp8_weights(config, state, quantization, dt, head_permutation(config) is not None)
     limit = model_len_limit(config, max_model_len)
     tokenizer = run_tokenizer(folder)
     model, cached = _build(config, state, limit, folder)
