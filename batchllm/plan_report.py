@@ -40,7 +40,8 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
         "predicted_peak_kv_pages": plan.predict_peak_pages(
             cfg.engine.page_size, cfg.engine.max_num_seqs),
         "page_size": cfg.engine.page_size,
-        **describe_model(cfg.model.path, cfg.model.dtype, cfg.model.device),
+        **describe_model(cfg.model.path, cfg.model.dtype, cfg.model.device,
+                         cfg.engine.kv_cache_dtype),
     }
     if cfg.engine.workers > 1:
         report["sharding"] = ("partition (rows cut by leading tokens; at run time Ray tasks "

@@ -52,6 +52,7 @@ COLUMNS: dict[str, tuple] = {
     "step": STEPS,  # decode-only, mixed prefill + decode, prefill-only, shared-prefix groups
     "window": (0, 4096),  # a sliding window (0: none); the shared-prefix step ignores it
     "softcap": (0.0, 50.0),  # soft-capped scores (0: none)
+    "kv_cache": ("auto", "fp8"),  # the model's dtype, or FP8 (e4m3 bits, scaled per KV head)
 }
 SHARED_LIMIT = {90: 232_448, 80: 166_912}  # bytes of shared memory a block may use (opt-in)
 ARCH = {90: "sm_90a", 80: "sm_80"}
@@ -173,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         for launch in step_plans(variant):
             reached.add(launch.kernel.fn.__name__)
             for cap in caps:
+                if launch.constexprs.get("FP8_DOT") and cap < 89:
+                    continue  # FP8 products: sm_89 and later (sm_80 takes the W8A16 launch)
                 key = binder_key(launch, cap)
                 if key not in seen:
                     seen[key] = len(_JOBS)

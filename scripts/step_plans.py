@@ -2,12 +2,16 @@
 launchers' own plan_* functions: what scripts/compile_check.py compiles for each variant.
 
 A variant is a dict of compile_check's COLUMNS (dtype, head_dim, group, kv_heads, page_size,
-step, window, softcap). The model is Hkv = kv_heads KV heads of head_dim, Hq = group * Hkv query heads, hidden
+step, window, softcap, kv_cache: "auto" for a cache in the model's dtype, "fp8" for an FP8 one
+with its scales). The model is Hkv = kv_heads KV heads of head_dim, Hq = group * Hkv query heads, hidden
 size Hq * head_dim. Step kinds, as the runner (batchllm/engine/device_runner.py) launches them:
   decode   decode-only: every sequence in the decode tile, few and long ones split by key range
   mixed    prefill chunks and decodes: the decode tile, and the 64-row tiles skipping decodes
   prefill  prefill chunks only: the 64-row tiles
   shared   decodes in shared-prefix groups: the prefix part (split, combined) merged in place
+The decode and prefill steps also plan the layer's projections with FP8 weights (per channel
+and in 128x128 blocks): W8A8 (activations quantized per token, FP8 products: compiled for
+sm_89 and later only) and W8A16 (sm_80's path).
 """
 
 from __future__ import annotations
@@ -18,6 +22,7 @@ import pkgutil
 import torch
 
 import kernels.triton
+from kernels.triton.fp8_matmul import plan_fp8_linear
 from kernels.triton.gated_mul import plan_gated_mul
 from kernels.triton.grouped_matmul import plan_grouped_matmul
 from kernels.triton.launch import Launch
@@ -69,7 +74,12 @@ def step_plans(v: dict) -> list[Launch]:
     t, b = sum(n for n, _ in seqs), len(seqs)
     max_pages = -(-max(c for _, c in seqs) // ps)
     i32, i64 = torch.int32, torch.int64
-    k_cache, v_cache = (_empty(b * max_pages + 1, ps, hkv, d, dtype=dtype) for _ in "kv")
+    cache_dtype = torch.float8_e4m3fn if v["kv_cache"] == "fp8" else dtype
+    k_cache, v_cache = (_empty(b * max_pages + 1, ps, hkv, d, dtype=cache_dtype) for _ in "kv")
+    scales = {}
+    if v["kv_cache"] == "fp8":
+        scales = {"k_scale": _empty(hkv, dtype=torch.float32),
+                  "v_scale": _empty(hkv, dtype=torch.float32)}
     qkv = _empty(t, (hq + 2 * hkv) * d, dtype=dtype)
     q = qkv[:, : hq * d].view(t, hq, d)  # a view of the projection, as in the forward
     positions, slots = _empty(t, dtype=i64), _empty(t, dtype=i64)
@@ -78,13 +88,13 @@ def step_plans(v: dict) -> list[Launch]:
     launches: list[Launch] = []
     for delta in (None, _empty(t, hidden, dtype=dtype)):
         launches += plan_add_rms_norm(h, delta, w, 1e-5)[1]
-    launches += plan_rope_store(qkv, positions, cos, sin, hq, k_cache, v_cache, slots)
+    launches += plan_rope_store(qkv, positions, cos, sin, hq, k_cache, v_cache, slots, **scales)
     decodes = [i for i, (n, _) in enumerate(seqs) if n == 1]
     attn = plan_paged_attention(
         q, k_cache, v_cache, _empty(b, max_pages, dtype=i32), _empty(b + 1, dtype=i32),
         _empty(b, dtype=i32), _empty(b, dtype=i32), d**-0.5,
         decode_seqs=_empty(len(decodes), dtype=i32), max_context=max(c for _, c in seqs),
-        **{c: v[c] for c in PAGED_COLUMNS})
+        **{c: v[c] for c in PAGED_COLUMNS}, **scales)
     o, lse = attn[0], attn[1]
     launches += attn[2]
     if v["step"] == "shared":
@@ -92,14 +102,24 @@ def step_plans(v: dict) -> list[Launch]:
         pages = -(-_SHARED_KEYS // ps)
         o_pre, lse_pre, pre = plan_prefix_attention(
             q[:n], k_cache, v_cache, _empty(1, pages, dtype=i32), _empty(1, dtype=i32),
-            _empty(2, dtype=i32), d**-0.5, **{c: v[c] for c in PREFIX_COLUMNS})
+            _empty(2, dtype=i32), d**-0.5, **{c: v[c] for c in PREFIX_COLUMNS}, **scales)
         launches += pre + plan_merge_states(o_pre, lse_pre, o[:n], lse[:n],
                                             out=(o[:n], lse[:n]))[2]
     for gelu_tanh in (False, True):  # SiLU, and Gemma's GELU-tanh
         launches += plan_gated_mul(_empty(t, 2 * inter, dtype=dtype), gelu_tanh)[1]
+    if v["step"] in ("decode", "prefill"):  # FP8 projections: qkv, o, gate_up, down
+        fp8 = torch.float8_e4m3fn
+        for n, k in (((hq + 2 * hkv) * d, hidden), (hidden, hidden), (2 * inter, hidden),
+                     (hidden, inter)):
+            for rb, cb in ((1, k), (128, 128)):
+                scale = _empty(-(-n // rb), -(-k // cb), dtype=torch.float32)
+                for fp8_dot in (True, False):
+                    launches += plan_fp8_linear(_empty(t, k, dtype=dtype),
+                                                _empty(n, k, dtype=fp8), scale, rb, cb,
+                                                fp8_dot=fp8_dot)[1]
     if v["step"] == "prefill":  # the launchers the forward does not call on this path
         k = qkv[:, hq * d : (hq + hkv) * d].view(t, hkv, d)
-        launches += plan_store_kv(k, k, k_cache, v_cache, slots)
+        launches += plan_store_kv(k, k, k_cache, v_cache, slots, **scales)
         launches += plan_rope_store(qkv, positions, cos, sin, hq + hkv)
         # a MoE layer's expert projections: gate-up, then down
         x, offsets = _empty(t * _TOP_K, hidden, dtype=dtype), _empty(_EXPERTS + 1, dtype=i32)

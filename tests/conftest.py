@@ -16,6 +16,7 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import pytest
+import triton_rounding  # noqa: F401 - under the interpreter, bfloat16 rounded as on a GPU
 from hf_reference import TINY_KINDS, tiny_model_folder
 from hf_reference import smollm2_folder as _smollm2_folder
 

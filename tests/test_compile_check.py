@@ -4,9 +4,10 @@ binder's specialisation, compiled for sm_90 and sm_80 by Triton's compiler and b
 
 CI runs a reduced matrix (REDUCED: bfloat16 and float32, head sizes 64 and 128, groups 1 and 7,
 page size 16, every step kind, no window and no soft cap; then bfloat16 with a window and a soft
-cap: ~230 specialisations, 2-3 minutes on 2 cores); the script's default is the full one (2,880
-variants, 4,708 specialisations: float16, groups 3, 4 and 8, 8 KV heads, page sizes 1 and 32,
-windows and soft caps crossed with everything), run by hand or on a bigger machine.
+cap: ~230 specialisations, 2-3 minutes on 2 cores; then the FP8 KV cache's kernels in
+bfloat16, FP8_KV); the script's default is the full one (5,760 variants: float16, groups 3, 4
+and 8, 8 KV heads, page sizes 1 and 32, windows, soft caps and FP8 caches crossed with
+everything), run by hand or on a bigger machine.
 """
 
 from __future__ import annotations
@@ -23,9 +24,15 @@ pytest.importorskip("triton")
 ROOT = Path(__file__).resolve().parents[1]
 REDUCED = ["--caps", "90,80", "--dtypes", "bfloat16,float32", "--head-dims", "64,128",
            "--groups", "1,7", "--kv-heads", "2", "--page-sizes", "16", "--windows", "0",
-           "--softcaps", "0"]
+           "--softcaps", "0", "--kv-caches", "auto"]
 OPTIONS = ["--caps", "90,80", "--dtypes", "bfloat16", "--head-dims", "64,128", "--groups", "7",
-           "--kv-heads", "2", "--page-sizes", "16", "--windows", "4096", "--softcaps", "50"]
+           "--kv-heads", "2", "--page-sizes", "16", "--windows", "4096", "--softcaps", "50",
+           "--kv-caches", "auto"]
+# The FP8 KV cache: its store, rotary store and attention kernels (e4m3 bits read as uint8,
+# kernels/triton/fp8.py) in bfloat16, every step kind (with its decode splits and combine).
+FP8_KV = ["--caps", "90,80", "--dtypes", "bfloat16", "--head-dims", "128", "--groups", "7",
+          "--kv-heads", "2", "--page-sizes", "16", "--windows", "0", "--softcaps", "0",
+          "--kv-caches", "fp8"]
 
 
 def compile_check(args: list[str], prelude: str = "") -> subprocess.CompletedProcess:
@@ -45,7 +52,7 @@ def test_every_kernel_compiles_for_sm90_and_sm80_without_spills():
     summary = lines[-1]
     assert summary.startswith("compile_check: 32 variants x 2 targets (sm_90, sm_80)")
     assert summary.endswith("OK")
-    assert "of 9 kernels" in summary  # every kernel of kernels/triton/ reached
+    assert "of 11 kernels" in summary  # every kernel of kernels/triton/ reached
     for cap in (90, 80):
         assert any(line.startswith(f"sm_{cap} bfloat16 _paged_attention_kernel[mixed]")
                    and "DECODE=True" in line for line in lines)
@@ -86,3 +93,15 @@ def test_windows_and_soft_caps_compile_too():
     assert lines[-1].startswith("compile_check: 8 variants") and lines[-1].endswith("OK")
     assert any("WINDOW=4096" in line and "SOFTCAP=50.0" in line and "DECODE=True" in line
                for line in lines)
+
+
+def test_the_fp8_kv_cache_compiles_without_spills():
+    done = compile_check(FP8_KV)
+    lines = done.stdout.strip().splitlines()
+    assert done.returncode == 0, "\n".join(lines[-30:]) + done.stderr[-3000:]
+    assert lines[-1].startswith("compile_check: 4 variants") and lines[-1].endswith("OK")
+    for kernel in ("_store_kv_kernel", "_rope_store_kernel", "_paged_attention_kernel",
+                   "_prefix_attention_kernel"):
+        for cap in (90, 80):
+            assert any(line.startswith(f"sm_{cap} bfloat16 {kernel}") and "FP8=True" in line
+                       for line in lines), (kernel, cap)

@@ -4,8 +4,8 @@ tile and split-KV decode, and the in-place merge.
 
 Without CUDA they run in Triton's interpreter (tests/conftest.py sets TRITON_INTERPRET=1 first),
 bfloat16 too: the launchers upcast the interpreter's bfloat16 products (launch.dot_f32), and
-kernels/triton rounds its float32 -> bfloat16 casts to nearest even, as a GPU does. 16-bit results
-may still differ from the twins by an ulp of the dtype (another order of operations).
+tests/triton_rounding.py rounds its float32 -> bfloat16 casts to nearest even, as a GPU does.
+16-bit results may still differ from the twins by an ulp of the dtype (another order of operations).
 """
 
 from __future__ import annotations

@@ -58,11 +58,6 @@ class ModelConfig(_Section):
     # null: as the checkpoint is; fp8: bf16/fp32 weights quantized to e4m3 at load
     quantization: str | None = _spec(c.optional(c.one_of("fp8")), None)
 
-    def _cross_checks(self) -> list[str]:
-        if self.quantization is not None:  # TODO(issue 30): FP8 weights
-            return ["model.quantization: fp8 is not supported yet; leave it null"]
-        return []
-
 
 @dataclass(frozen=True)
 class InputConfig(_Section):
@@ -149,8 +144,6 @@ class EngineConfig(_Section):
 
     def _cross_checks(self) -> list[str]:
         errors = []
-        if self.kv_cache_dtype != "auto":  # TODO(issue 30): the FP8 KV cache
-            errors.append("engine.kv_cache_dtype: fp8 is not supported yet; use auto")
         if self.tensor_parallel != 1:  # TODO(issue 29): tensor parallelism
             errors.append("engine.tensor_parallel: only 1 is supported yet")
         if self.overlap is True:  # TODO(issue 28): the overlapped step loop

@@ -19,7 +19,8 @@ from batchllm.engine.runner import make_runner
 from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
-from batchllm.model.attention import PagedAttention
+from batchllm.model.attention import FP8, PagedAttention
+from batchllm.model.attention import kv_cache_dtype as kv_cache_dtype_of
 from batchllm.model.loader import LoadedModel
 from batchllm.plan.planner import Plan
 from batchllm.rows.record import Row
@@ -36,10 +37,15 @@ class Engine:
         prefix_sharing: bool,
         max_model_len: int,
         cuda_graphs: bool = True,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         """cuda_graphs: decode steps replayed as CUDA graphs on the CUDA path (on CUDA only;
-        elsewhere that path's static decode buffers run eagerly)."""
+        elsewhere that path's static decode buffers run eagerly). kv_cache_dtype: auto (the
+        model's) or fp8 (model/attention.py)."""
         shape = loaded.model.shape
+        kv_dtype = kv_cache_dtype_of(kv_cache_dtype, loaded.model.dtype)
+        scales = loaded.kv_scales
+        kv_scales = (scales.k, scales.v) if scales is not None and kv_dtype == FP8 else None
         self.loaded = loaded
         self.page_size = page_size
         self.max_num_seqs = max_num_seqs
@@ -47,13 +53,14 @@ class Engine:
         self.attention = PagedAttention(
             shape.num_layers, num_pages, page_size, shape.num_heads, shape.num_kv_heads,
             shape.head_dim, loaded.model.dtype, loaded.model.embed.device, loaded.model.ops,
+            kv_dtype=kv_dtype, kv_scales=kv_scales,
         )
         self.runner = make_runner(loaded.model, self.attention, page_size, prefix_sharing,
                                   max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs)
         self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len)
         self.grammars = Grammars(loaded.tokenizer, loaded.eos_ids, shape.vocab_size)
         self.num_pages = num_pages
-        self.bytes_per_token = shape.kv_bytes_per_token(loaded.model.dtype)
+        self.bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
 
     def run(
         self,

@@ -17,6 +17,7 @@ from batchllm.engine.engine import Engine
 from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
 from batchllm.engine.metrics import EngineStats, RunMetrics
 from batchllm.engine.scheduler import KVCacheTooSmall
+from batchllm.model.attention import kv_cache_dtype
 from batchllm.model.loader import LoadedModel, load_model
 from batchllm.plan.rows_plan import plan_rows
 from batchllm.rows.record import Row
@@ -68,12 +69,13 @@ class Runtime:
         """Load `model` (a built-in alias or a Hugging Face folder) and size its KV pool."""
         s = settings
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
-        loaded = load_model(model, s.dtype, s.device, s.max_model_len)
-        bytes_per_token = loaded.model.shape.kv_bytes_per_token(loaded.model.dtype)
+        loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.quantization)
+        kv_dtype = kv_cache_dtype(s.kv_cache_dtype, loaded.model.dtype)
+        bytes_per_token = loaded.model.shape.kv_bytes_per_token(kv_dtype)
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
         engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, s.page_size), s.page_size,
                         s.max_num_seqs, s.max_batched_tokens, s.prefix_sharing,
-                        loaded.max_model_len, s.cuda_graphs)
+                        loaded.max_model_len, s.cuda_graphs, s.kv_cache_dtype)
         return cls(loaded, engine, s)
 
     @classmethod

@@ -15,16 +15,51 @@ query can see (max(0, first position - W + 1), which also skips what is out of e
 with the window mask. The prefix's pages are in every member's page table, so this is exact
 whatever the prefix's length; the global layers keep the cascade. Pages that fall out of every
 window stay allocated (the cache is sized for all layers, and global layers need them).
+
+An FP8 cache (engine.kv_cache_dtype: fp8) holds e4m3 values, one byte each, scaled per layer
+and KV head (kernels/reference/kv_fp8.py): the scales are the checkpoint's where it has them
+(model/fp8_checkpoint.py), else 1.0, as vLLM does; never computed from the data, so a row's
+tokens cannot depend on the other rows, their order, or a resume. Every kernel reads it: the
+Triton kernels on the CUDA path; on the CPU, whose C attention reads float32 only, the torch
+twins (correct, not fast).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import torch
 
 from batchllm.model.ops import ModelOps, pick_ops
+from kernels.reference.paged_attention import paged_attention_ref
+from kernels.reference.prefix_attention import prefix_attention_ref
+from kernels.reference.rope_store import rope_then_store
 from kernels.reference.step_index import StepIndex, index_step
+from kernels.reference.store_kv import store_kv_ref
+
+FP8 = torch.float8_e4m3fn
+KV_CACHE_DTYPES = ("auto", "fp8")  # engine.kv_cache_dtype
+
+
+def kv_cache_dtype(setting: str, model_dtype: torch.dtype) -> torch.dtype:
+    """engine.kv_cache_dtype -> the cache's dtype: auto is the model's, fp8 float8_e4m3fn."""
+    if setting not in KV_CACHE_DTYPES:
+        raise ValueError(f"engine.kv_cache_dtype: expected one of {', '.join(KV_CACHE_DTYPES)}, "
+                         f"got {setting!r}")
+    return FP8 if setting == "fp8" else model_dtype
+
+
+def fp8_cache_ops(ops: ModelOps) -> ModelOps:
+    """The ops that read and write an FP8 cache: the CUDA path's own (its Triton kernels take
+    one); on the CPU the torch twins for the store and the attention (the C kernels read
+    float32 caches only)."""
+    if ops.device_steps:
+        return ops
+    return dataclasses.replace(
+        ops, store_kv=store_kv_ref, rope_store=rope_then_store(ops.pointwise.rope_, store_kv_ref),
+        paged_attention=paged_attention_ref, prefix_attention=prefix_attention_ref,
+        prefix_attention_into=None, gathers_decodes=True, gathers_chunks=True)
 
 
 @dataclass
@@ -61,15 +96,33 @@ class PagedAttention:
         dtype: torch.dtype,
         device: torch.device,
         ops: ModelOps | None = None,
+        *,
+        kv_dtype: torch.dtype | None = None,
+        kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None,
     ) -> None:
         """`ops`: the model's (DecoderModel.ops); None picks them for this device, dtype and heads,
-        the same way."""
+        the same way. `kv_dtype`: the cache's (None: the model's `dtype`); float8_e4m3fn makes
+        an FP8 cache, scaled by `kv_scales` (k, v: [num_layers, Hkv] float32; None: 1.0)."""
         shape = (num_layers, num_pages, page_size, num_kv_heads, head_dim)
+        kv_dtype = dtype if kv_dtype is None else kv_dtype
         # torch.empty: pages are touched (and so resident on the CPU) only once used.
-        self.k_cache = torch.empty(shape, dtype=dtype, device=device)
-        self.v_cache = torch.empty(shape, dtype=dtype, device=device)
+        self.k_cache = torch.empty(shape, dtype=kv_dtype, device=device)
+        self.v_cache = torch.empty(shape, dtype=kv_dtype, device=device)
         self.scale = head_dim**-0.5
         self.ops = ops if ops is not None else pick_ops(device, dtype, num_heads, head_dim)
+        self.k_scale = self.v_scale = None  # [num_layers, Hkv] fp32, an FP8 cache's
+        if kv_dtype == FP8:
+            self.ops = fp8_cache_ops(self.ops)
+            ones = torch.ones(num_layers, num_kv_heads, dtype=torch.float32, device=device)
+            k, v = kv_scales if kv_scales is not None else (ones, ones)
+            for name, t in (("k", k), ("v", v)):
+                if tuple(t.shape) != (num_layers, num_kv_heads):
+                    raise ValueError(f"{name} scales must be [{num_layers}, {num_kv_heads}], got "
+                                     f"{tuple(t.shape)}")
+            self.k_scale = k.to(device, torch.float32).contiguous()
+            self.v_scale = v.to(device, torch.float32).contiguous()
+        elif kv_scales is not None:
+            raise ValueError(f"kv_scales are for an FP8 cache, not a {kv_dtype} one")
         self.meta: StepMetadata | None = None
         # For which meta: {window: (kv_start, gather index)}, built at the first layer that
         # needs them and reused by the others (window 0: meta.kv_start).
@@ -82,19 +135,28 @@ class PagedAttention:
             return
         s = torch.tensor(src, device=self.k_cache.device)
         d = torch.tensor(dst, device=self.k_cache.device)
-        self.k_cache[:, d] = self.k_cache[:, s]
-        self.v_cache[:, d] = self.v_cache[:, s]
+        for cache in (self.k_cache, self.v_cache):
+            raw = cache.view(torch.uint8) if cache.dtype == FP8 else cache  # bytes as they are
+            raw[:, d] = raw[:, s]
+
+    def scales(self, layer: int) -> dict[str, torch.Tensor]:
+        """The keyword arguments an FP8 cache's ops take for `layer` (k_scale, v_scale [Hkv]);
+        none for another cache."""
+        if self.k_scale is None:
+            return {}
+        return {"k_scale": self.k_scale[layer], "v_scale": self.v_scale[layer]}
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> None:
         """k, v: [T, Hkv, D], written at the step's slot mapping."""
-        self.ops.store_kv(k, v, self.k_cache[layer], self.v_cache[layer], self.meta.slot_mapping)
+        self.ops.store_kv(k, v, self.k_cache[layer], self.v_cache[layer], self.meta.slot_mapping,
+                          **self.scales(layer))
 
     def rope_store(self, layer: int, qkv: torch.Tensor, positions: torch.Tensor,
                    cos: torch.Tensor, sin: torch.Tensor, num_heads: int) -> None:
         """qkv [T, (Hq+2Hkv)*D]: q and k heads rotated in place (positions [T], cos, sin
         [P, D]), k and v written at the step's slot mapping; one pass on the CUDA path."""
         self.ops.rope_store(qkv, positions, cos, sin, num_heads, self.k_cache[layer],
-                            self.v_cache[layer], self.meta.slot_mapping)
+                            self.v_cache[layer], self.meta.slot_mapping, **self.scales(layer))
 
     def attend(self, layer: int, q: torch.Tensor, scale: float | None = None, window: int = 0,
                softcap: float = 0.0) -> torch.Tensor:
@@ -104,7 +166,8 @@ class PagedAttention:
         scale = self.scale if scale is None else scale
         kc, vc = self.k_cache[layer], self.v_cache[layer]
         kv_start, index = self._part(m, window)
-        extra = {"step": index} if self.ops.indexes_steps else {}
+        scales = self.scales(layer)
+        extra = {"step": index, **scales} if self.ops.indexes_steps else dict(scales)
         if self.ops.tiles_decodes and m.decode_seqs is not None:
             extra.update(decode_seqs=m.decode_seqs, max_context=m.max_context)
         if window:  # the whole page table, no cascade (module docstring)
@@ -118,12 +181,13 @@ class PagedAttention:
         n = m.cascade_rows
         if self.ops.prefix_attention_into is not None:
             self.ops.prefix_attention_into(q[:n], kc, vc, m.prefix_pages, m.prefix_lens,
-                                           m.cu_prefix_q, scale, o[:n], lse[:n], softcap=softcap)
+                                           m.cu_prefix_q, scale, o[:n], lse[:n], softcap=softcap,
+                                           **scales)
         else:
             qc = q[:n]
             o_pre, lse_pre = self.ops.prefix_attention(
-                qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, scale, softcap=softcap
-            )
+                qc, kc, vc, m.prefix_pages, m.prefix_lens, m.cu_prefix_q, scale, softcap=softcap,
+                **scales)
             merged, _ = self.ops.merge_states(o_pre, lse_pre, o[:n], lse[:n])
             o[:n] = merged
         return o

@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 
 from batchllm.model import panel_cache
+from batchllm.model.fp8_linear import Fp8Linear
+from batchllm.model.fp8_weights import holds_fp8
 from batchllm.model.ops import Projection
 from kernels.cpu import linear as cpu_linear
 
@@ -54,7 +56,13 @@ class Linear:
 
     The weight may come as its row blocks (q, k, v; gate, up): they are joined only where the
     layout needs the dense weight, so that a model whose panels come from the panel file never
-    reads them (the blocks are the checkpoint's mapped tensors)."""
+    reads them (the blocks are the checkpoint's mapped tensors). An FP8 weight makes an
+    Fp8Linear instead (model/fp8_linear.py), whatever the layout."""
+
+    def __new__(cls, weight: Weight, bias: torch.Tensor | None, layout: Projection):
+        if holds_fp8(weight):
+            return Fp8Linear(weight, bias)
+        return super().__new__(cls)
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None,
                  layout: Projection) -> None:

@@ -9,10 +9,12 @@ from pathlib import Path
 
 import torch
 
-from batchllm.model import panel_cache
+from batchllm.model import attention, panel_cache
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
+from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_scales
+from batchllm.model.rotary import head_permutation
 from batchllm.model.weights import (
     eos_token_ids,
     load_config,
@@ -34,6 +36,7 @@ class LoadedModel:
     max_model_len: int
     panel_cache: str = "off"  # hit | written | miss (nowhere writable) | off (not panels, or off)
     first_forward: float | None = None  # perf_counter time the first forward began
+    kv_scales: KvScales | None = None  # an FP8 KV cache's scales, where the checkpoint has them
 
     def __post_init__(self) -> None:
         # The end of start-up (metrics.Phases): noted by the model's own layers' pass
@@ -62,31 +65,37 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def describe_model(path: str, dtype: str = "auto", device: str = "auto") -> dict[str, object]:
+def describe_model(path: str, dtype: str = "auto", device: str = "auto",
+                   kv_cache_dtype: str = "auto") -> dict[str, object]:
     """What `batchllm plan` says of the model without loading its weights: the family and the
-    KV cache bytes per token in the dtype a run would use."""
+    KV cache bytes per token in the dtype a run would use (engine.kv_cache_dtype's)."""
     config = load_config(resolve_model(path))
     planned = torch.device("cuda" if device == "cuda" or (
         device == "auto" and torch.cuda.is_available()) else "cpu")
+    kv_dtype = attention.kv_cache_dtype(kv_cache_dtype, pick_dtype(dtype, planned))
     return {"model_family": describe(config).summary(),
-            "kv_bytes_per_token": model_shape(config).kv_bytes_per_token(
-                pick_dtype(dtype, planned))}
+            "kv_bytes_per_token": model_shape(config).kv_bytes_per_token(kv_dtype)}
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None
+    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+    quantization: str | None = None,
 ) -> LoadedModel:
-    """`path` is a built-in alias or a local Hugging Face folder."""
+    """`path` is a built-in alias or a local Hugging Face folder; quantization: None (as the
+    checkpoint is) or "fp8" (its projections quantized at load)."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path)
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
+    shape = model_shape(config)
+    kv_scales = take_kv_scales(state, shape.num_layers, shape.num_kv_heads)  # fp8_checkpoint.py
+    take_fp8_weights(config, state, quantization, dt, head_permutation(config) is not None)
     limit = model_len_limit(config, max_model_len)
     tokenizer = run_tokenizer(folder)
     model, cached = _build(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
-                       str(path), dev, limit, cached)
+                       str(path), dev, limit, cached, kv_scales=kv_scales)
 
 
 def _build(config, state: dict[str, torch.Tensor], limit: int,

@@ -26,6 +26,7 @@ from batchllm.model import hf_cache
 from batchllm.model import tokenizer as fast_tokenizer
 from batchllm.model.errors import ModelError, ModelNotFoundError
 from batchllm.model.families import describe
+from batchllm.model.fp8_checkpoint import keeps_dtype
 from batchllm.model.rotary import position_limit
 
 if TYPE_CHECKING:  # transformers is imported where it is used: ~1.4 s a start otherwise
@@ -203,7 +204,7 @@ def load_weights(
         for name, tensor in load_file(file, device="cpu").items():
             if name.endswith("rotary_emb.inv_freq"):
                 continue  # a buffer some old checkpoints saved; recomputed from the config
-            if tensor.is_floating_point():
+            if tensor.is_floating_point() and not keeps_dtype(name, tensor):  # FP8's: as stored
                 tensor = tensor.to(dtype)
             state[name] = tensor.to(device)
     tied = getattr(config, "tie_word_embeddings", False)

@@ -4,7 +4,8 @@ kernels/cpu/attention.py runs a part in C where its kernel builds, the rest here
 
 Cache layout (one pair per layer): k_cache, v_cache of shape [num_pages, page_size, Hkv, D].
 A token at position p of a sequence lives in slot page_table[p // page_size] * page_size
-+ p % page_size. The keys each sequence reads are indexed once per step (step_index.py).
++ p % page_size. The keys each sequence reads are indexed once per step (step_index.py). An FP8
+cache (float8_e4m3fn) is read as fp8 * the KV head's scale (kv_fp8.py), in q's dtype.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference.attend import attend_rows, soft_cap, visible_keys
+from kernels.reference.kv_fp8 import dequantize_kv
 from kernels.reference.step_index import StepIndex, index_step
 
 
@@ -43,9 +45,12 @@ def _gather_heads_first(
     cache: torch.Tensor,  # [num_pages, page_size, Hkv, D], contiguous
     rows: torch.Tensor,  # [B * Hkv * Tk] int64, from step_index.py
     shape: tuple[int, int, int],  # (B, Hkv, Tk)
+    scale: torch.Tensor | None = None,  # [Hkv] fp32: an FP8 cache, read as fp8 * scale
+    dtype: torch.dtype | None = None,  # what an FP8 cache is read into
 ) -> torch.Tensor:  # [B, Hkv, Tk, D]
     d = cache.shape[-1]
-    return cache.view(-1, d).index_select(0, rows).view(*shape, d)
+    x = cache.view(-1, d).index_select(0, rows).view(*shape, d)
+    return x if scale is None else dequantize_kv(x, scale, dtype, heads_dim=1)
 
 
 def paged_attention_ref(
@@ -61,6 +66,8 @@ def paged_attention_ref(
     *,
     window: int = 0,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: the scales of an FP8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
@@ -79,8 +86,9 @@ def paged_attention_ref(
         step = index_step(page_table, cu_q, context_lens, kv_start, k_cache.shape[1], hkv)
     if (len(step.decode_seqs) and not step.decodes) or (len(step.chunk_seqs) and not step.chunks):
         raise ValueError("paged_attention_ref: the step was indexed without gather rows")
-    attend_decodes(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
-    attend_chunks(q, k_cache, v_cache, step, scale, o, lse, window, softcap)
+    scales = None if k_scale is None else (k_scale, v_scale)
+    attend_decodes(q, k_cache, v_cache, step, scale, o, lse, window, softcap, scales)
+    attend_chunks(q, k_cache, v_cache, step, scale, o, lse, window, softcap, scales)
     return o, lse
 
 
@@ -94,11 +102,14 @@ def attend_decodes(
     lse: torch.Tensor,  # [T, Hq] fp32, written at the decodes' rows
     window: int = 0,
     softcap: float = 0.0,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (k, v) [Hkv]: an FP8 cache
 ) -> None:
     """The one-query sequences of a step, as padded batches of similar lengths."""
+    ks, vs = (None, None) if scales is None else scales
     for bucket in step.decodes:
-        k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape)  # [B, Hkv, Tk, D]
-        v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape)
+        # [B, Hkv, Tk, D]
+        k = _gather_heads_first(k_cache, bucket.kv_rows, bucket.shape, ks, q.dtype)
+        v = _gather_heads_first(v_cache, bucket.kv_rows, bucket.shape, vs, q.dtype)
         bias = bucket.bias
         if window > 0:  # keys before the window: out, as the padding is
             seen = visible_keys(bucket.query_pos, bucket.key_pos, window)  # [B, Tk]
@@ -117,13 +128,15 @@ def attend_chunks(
     lse: torch.Tensor,  # [T, Hq] fp32, written at the chunks' rows
     window: int = 0,
     softcap: float = 0.0,
+    scales: tuple[torch.Tensor, torch.Tensor] | None = None,  # (k, v) [Hkv]: an FP8 cache
 ) -> None:
     """The sequences of a step with several queries (prefill chunks), one by one."""
     hkv = k_cache.shape[2]
+    ks, vs = (None, None) if scales is None else scales
     for chunk in step.chunks:
         shape = (1, hkv, chunk.key_pos.shape[0])
-        k = _gather_heads_first(k_cache, chunk.kv_rows, shape)  # [1, Hkv, Tk, D]
-        v = _gather_heads_first(v_cache, chunk.kv_rows, shape)
+        k = _gather_heads_first(k_cache, chunk.kv_rows, shape, ks, q.dtype)  # [1, Hkv, Tk, D]
+        v = _gather_heads_first(v_cache, chunk.kv_rows, shape, vs, q.dtype)
         causal = (chunk.query_pos, chunk.key_pos)
         o[chunk.rows], lse[chunk.rows] = attend_rows(q[chunk.rows], k, v, causal, scale,
                                                      window, softcap)

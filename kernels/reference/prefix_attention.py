@@ -3,7 +3,7 @@ group's queries against its shared prefix pages, no mask (cascade attention).
 
 Cache layout (one pair per layer): k_cache, v_cache of shape [num_pages, page_size, Hkv, D].
 A token at position p of a sequence lives in slot page_table[p // page_size] * page_size
-+ p % page_size.
++ p % page_size. An FP8 cache is read as fp8 * the KV head's scale (kv_fp8.py), in q's dtype.
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from kernels.reference.attend import attend_rows
+from kernels.reference.kv_fp8 import dequantize_kv
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:
@@ -28,6 +29,8 @@ def prefix_attention_ref(
     scale: float,
     *,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: the scales of an FP8 cache
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D], lse [T, Hq] fp32
     """Each group's queries against its shared prefix, no mask: the prefix KV is read once per
     group and the product is matrix-matrix over all the group's queries. softcap c > 0: scores
@@ -42,8 +45,12 @@ def prefix_attention_ref(
         if plen == 0 or cu[g + 1] == cu[g]:
             continue
         pages = prefix_pages[g, : -(-plen // page_size)].tolist()
-        k = _heads_first(_prefix_keys(k_cache, pages, plen)[None])  # [1, Hkv, P, D]
-        v = _heads_first(_prefix_keys(v_cache, pages, plen)[None])
+        k = _prefix_keys(k_cache, pages, plen)  # [P, Hkv, D]
+        v = _prefix_keys(v_cache, pages, plen)
+        if k_scale is not None:
+            k = dequantize_kv(k, k_scale, q.dtype, heads_dim=1)
+            v = dequantize_kv(v, v_scale, q.dtype, heads_dim=1)
+        k, v = _heads_first(k[None]), _heads_first(v[None])  # [1, Hkv, P, D]
         # All queries of the group go in as one "sequence": the prefix is read once.
         rows = slice(cu[g], cu[g + 1])
         o[rows], lse[rows] = attend_rows(q[rows], k, v, None, scale,

@@ -25,13 +25,14 @@ def rope_then_store(rope_: Callable, store_kv: Callable) -> Callable:
         k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
         v_cache: torch.Tensor,
         slot_mapping: torch.Tensor,  # [T] int64
+        **scales: torch.Tensor,  # k_scale, v_scale [Hkv] fp32 of an FP8 cache
     ) -> None:
         """Rotate the q and k heads of qkv in place; write k and v at their slots."""
         t, hkv, d = qkv.shape[0], k_cache.shape[2], k_cache.shape[3]
         rope_(qkv, positions, cos, sin, num_heads + hkv)
         k = qkv[:, num_heads * d : (num_heads + hkv) * d].view(t, hkv, d)
         v = qkv[:, (num_heads + hkv) * d :].view(t, hkv, d)
-        store_kv(k, v, k_cache, v_cache, slot_mapping)
+        store_kv(k, v, k_cache, v_cache, slot_mapping, **scales)
 
     return rope_store
 

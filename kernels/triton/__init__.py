@@ -12,13 +12,16 @@ compiles the same plans for real GPU targets.
   merge_states.py      two attention states over disjoint keys merged by log-sum-exp
   combine_splits.py    the key splits of one attention launch folded by log-sum-exp
   tiles.py             the jitted pieces the two attention kernels share
+  fp8.py               the e4m3 codec of the FP8 KV cache and the FP8 weights
   checks.py            the launchers' input checks and grid arithmetic
   launch.py            a launch as data, and the one place that launches
 
 Their pure-torch twins are in kernels.reference. Importing this package needs triton; without
 it the import fails here, with the reason. Under TRITON_INTERPRET=1 (set before these modules
 are imported) the launchers also run on CPU tensors, slowly: that is how the tests, and
-BATCHLLM_BACKEND=triton on a machine without a GPU, run them.
+BATCHLLM_BACKEND=triton on a machine without a GPU, run them. (The interpreter truncates
+float32 -> bfloat16 casts where a GPU rounds to nearest even; the tests round as a GPU does:
+tests/triton_rounding.py.)
 """
 
 import importlib
@@ -49,32 +52,5 @@ def _interpret_triton_library() -> None:
             setattr(tl, name, value)
 
 
-def _interpreter_rounds_to_nearest() -> None:
-    """The interpreter casts float32 to bfloat16 by truncation where compiled kernels round to
-    nearest even; truncation's bias adds up over a model's layers (measured on the tiny Llama:
-    logits 2.1 apart from transformers' bfloat16 instead of 0.5). Round as the GPU does."""
-    import numpy as np
-    import triton.language as tl
-    from triton.runtime import interpreter
-
-    builder = interpreter.InterpreterBuilder
-    if getattr(builder, "_rounds_to_nearest", False) or not hasattr(builder, "cast_impl"):
-        return
-    cast = builder.cast_impl
-
-    def cast_impl(self, src, dst_type):
-        if src.dtype.scalar == tl.float32 and dst_type.scalar == tl.bfloat16:
-            x = np.asarray(src.data, dtype=np.float32)
-            bits = x.view(np.uint32).astype(np.uint64)
-            bits = (bits + 0x7FFF + ((bits >> 16) & 1)) >> 16  # ties to even
-            out = np.where(np.isnan(x), 0x7FC0, bits).astype(np.uint16)
-            return interpreter.TensorHandle(out, tl.bfloat16)
-        return cast(self, src, dst_type)
-
-    builder.cast_impl = cast_impl
-    builder._rounds_to_nearest = True
-
-
 if os.environ.get("TRITON_INTERPRET") == "1":
     _interpret_triton_library()
-    _interpreter_rounds_to_nearest()

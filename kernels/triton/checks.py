@@ -11,6 +11,8 @@ import torch
 from triton.runtime.interpreter import InterpretedFunction
 
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+FP8 = torch.float8_e4m3fn  # an FP8 KV cache: e4m3, scaled per KV head (kernels/reference/kv_fp8.py)
+CACHE_DTYPES = (*FLOAT_DTYPES, FP8)
 
 
 def pow2(n: int) -> int:
@@ -45,9 +47,9 @@ def check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> tuple[int, int,
             "k_cache and v_cache must both be [num_pages, page_size, Hkv, D], got "
             f"{tuple(k_cache.shape)} and {tuple(v_cache.shape)}"
         )
-    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in FLOAT_DTYPES:
+    if k_cache.dtype != v_cache.dtype or k_cache.dtype not in CACHE_DTYPES:
         raise ValueError(
-            f"k_cache and v_cache must share a dtype in {FLOAT_DTYPES}, got "
+            f"k_cache and v_cache must share a dtype in {CACHE_DTYPES}, got "
             f"{k_cache.dtype} and {v_cache.dtype}"
         )
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
@@ -82,8 +84,30 @@ def check_attention(
         raise ValueError(f"q must be [T, Hq, D], got shape {tuple(q.shape)}")
     t, hq = q.shape[0], q.shape[1]
     check_rows("q", q, (t, hq, d))
-    if q.dtype != k_cache.dtype:
+    if q.dtype != k_cache.dtype and k_cache.dtype != FP8:
         raise ValueError(f"q ({q.dtype}) and the cache ({k_cache.dtype}) must share a dtype")
     if hq % hkv:
         raise ValueError(f"Hq={hq} query heads must be a multiple of Hkv={hkv} KV heads")
     return t, hq, hkv, d, page_size
+
+
+def kv_operands(k_cache: torch.Tensor, v_cache: torch.Tensor, k_scale: torch.Tensor | None,
+                v_scale: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
+    """(k_cache, v_cache, k_scale, v_scale) as a kernel takes them, and whether they are FP8.
+    An FP8 cache goes as its uint8 view (kernels/triton/fp8.py says why) with its scales,
+    float32 [Hkv] each, which it needs; a cache of another dtype takes none, and the kernel
+    gets the cache in their place (never read)."""
+    hkv = k_cache.shape[2]
+    if k_cache.dtype != FP8:
+        if k_scale is not None or v_scale is not None:
+            raise ValueError(f"k_scale and v_scale are for an FP8 cache, not {k_cache.dtype}")
+        return k_cache, v_cache, k_cache, v_cache, False
+    for name, scale in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if scale is None:
+            raise ValueError(f"an FP8 cache needs {name} (float32 [Hkv]), got None")
+        if tuple(scale.shape) != (hkv,) or scale.dtype != torch.float32 or scale.stride(0) != 1:
+            raise ValueError(f"{name} must be contiguous float32 of shape ({hkv},), got "
+                             f"{scale.dtype} {tuple(scale.shape)}")
+        if scale.device != k_cache.device:
+            raise ValueError(f"{name} is on {scale.device}, the cache on {k_cache.device}")
+    return k_cache.view(torch.uint8), v_cache.view(torch.uint8), k_scale, v_scale, True

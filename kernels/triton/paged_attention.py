@@ -13,7 +13,8 @@ them (SKIP_DECODES), so a mixed step's decodes do not each fill a 64-row prefill
 decode-only step with few, long sequences also splits each sequence's keys into ranges
 (split-KV, like the prefix kernel), folded by combine_splits.py. The split count depends on the
 launch's shape and the `max_context` hint only, so a captured CUDA graph stays right.
-Twin: `kernels.reference.paged_attention.paged_attention_ref`.
+An FP8 cache (float8_e4m3fn with k_scale and v_scale per KV head) is read through tiles.py's
+FP8 path. Twin: `kernels.reference.paged_attention.paged_attention_ref`.
 
 The tile's pieces (find_seq, attend_pages, store_tile) are in tiles.py, shared with
 prefix_attention.py.
@@ -26,7 +27,14 @@ import triton
 import triton.language as tl
 
 from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_attention, check_device, check_index, pow2
+from kernels.triton.checks import (
+    cdiv,
+    check_attention,
+    check_device,
+    check_index,
+    kv_operands,
+    pow2,
+)
 from kernels.triton.combine_splits import plan_combine, split_buffers
 from kernels.triton.launch import Launch
 from kernels.triton.tiles import (
@@ -46,6 +54,7 @@ _MIN_SPLIT_KEYS = 256  # keys per split below which splitting a decode costs mor
 def _paged_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr,
     page_table_ptr, cu_q_ptr, context_lens_ptr, kv_start_ptr, decode_seqs_ptr,
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32, read with FP8 only
     num_seqs, qk_scale,  # o, lse: [S, T, Hq, D], [S, T, Hq] with S key splits (stride 0: one)
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     stride_table, stride_slot, stride_kvh,
@@ -53,6 +62,7 @@ def _paged_attention_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
     WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,  # the caches are an FP8 cache's uint8 bits
     DECODE: tl.constexpr,  # program i: sequence decode_seqs[i], all its queries in one tile
     SKIP_DECODES: tl.constexpr,  # tiles over all sequences but those with one query
 ):
@@ -96,9 +106,9 @@ def _paged_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, page_table_ptr + b * stride_table, kv_lo, kv_hi,
-        kvh, q_pos, qk_scale, stride_slot, stride_kvh,
+        kvh, q_pos, qk_scale, stride_slot, stride_kvh, k_scale_ptr, v_scale_ptr,
         True, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, DOT_F32,
-        WINDOW=WINDOW, SOFTCAP=SOFTCAP,
+        WINDOW=WINDOW, SOFTCAP=SOFTCAP, FP8=FP8,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -118,6 +128,8 @@ def paged_attention(
     softcap: float = 0.0,
     decode_seqs: torch.Tensor | None = None,  # [n] int32, the sequences with one query
     max_context: int = 0,  # the step's longest context_lens (a hint for split-KV; 0: no split)
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
     """Causal attention of a step that mixes prefill chunks and decodes over paged KV.
 
@@ -128,11 +140,13 @@ def paged_attention(
     checked: that would need a device sync); rows outside it are left unwritten.
     `decode_seqs`: the one-query sequences, attended by a decode tile of their own (None: one
     launch whose tile size suits the step as a whole); listing every sequence of a step with
-    T = B makes it decode-only, and with `max_context` its keys may then be split.
+    T = B makes it decode-only, and with `max_context` its keys may then be split. An FP8
+    cache (float8_e4m3fn) is read as fp8 * k_scale (v_scale) of its KV head.
     """
     o, lse, launches = plan_paged_attention(q, k_cache, v_cache, page_table, cu_q, context_lens,
                                             kv_start, scale, window=window, softcap=softcap,
-                                            decode_seqs=decode_seqs, max_context=max_context)
+                                            decode_seqs=decode_seqs, max_context=max_context,
+                                            k_scale=k_scale, v_scale=v_scale)
     launch.run(launches)
     return o, lse
 
@@ -151,6 +165,8 @@ def plan_paged_attention(
     softcap: float = 0.0,
     decode_seqs: torch.Tensor | None = None,
     max_context: int = 0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The outputs (o, lse) of paged_attention and the launches that fill them."""
     t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
@@ -170,6 +186,7 @@ def plan_paged_attention(
     check_device(_paged_attention_kernel, q=q, k_cache=k_cache, v_cache=v_cache,
                  page_table=page_table, cu_q=cu_q, context_lens=context_lens, kv_start=kv_start,
                  **({} if decode_seqs is None else {"decode_seqs": decode_seqs}))
+    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
     if t == 0 or b == 0:
@@ -181,15 +198,15 @@ def plan_paged_attention(
         split_strides = (o_part.stride(0), lse_part.stride(0)) if o_part.dim() == 4 else (0, 0)
         options = launch_options(q.dtype, _paged_attention_kernel, block_m, d)
         return Launch(_paged_attention_kernel, grid, (
-            q, k_cache, v_cache, o_part, lse_part, page_table, cu_q, context_lens, kv_start,
+            q, kc, vc, o_part, lse_part, page_table, cu_q, context_lens, kv_start,
             cu_q if decode_seqs is None else decode_seqs,  # read only by the DECODE launch
-            b, scale * LOG2E,
+            ks, vs, b, scale * LOG2E,
             q.stride(0), q.stride(1), split_strides[0], o_part.stride(-3), o_part.stride(-2),
             split_strides[1], lse_part.stride(-2), lse_part.stride(-1),
             page_table.stride(0), k_cache.stride(1), k_cache.stride(2),
         ), dict(GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d, BLOCK_M=block_m,
                 BLOCK_D=max(16, pow2(d)), WINDOW=int(window), SOFTCAP=float(softcap),
-                DECODE=decode, SKIP_DECODES=skip_decodes, **options))
+                FP8=fp8, DECODE=decode, SKIP_DECODES=skip_decodes, **options))
 
     if decode_seqs is None:
         # Decode-like steps (about one query per sequence) get small tiles, chunks bigger ones.

@@ -7,7 +7,7 @@ the GPU (a decode step: one query per request), each group's prefix keys are spl
 many ranges as the launch has splits, whose partial (o, lse) a second small kernel merges
 (combine_splits.py). The split count depends on the launch's shape only, not on the lengths,
 so a captured CUDA graph stays right whatever the prefixes. No causal mask: every query comes
-after the prefix. The tile's pieces are in tiles.py.
+after the prefix. The tile's pieces are in tiles.py, an FP8 cache's reading too.
 Twin: `kernels.reference.prefix_attention.prefix_attention_ref`.
 """
 
@@ -18,7 +18,14 @@ import triton
 import triton.language as tl
 
 from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_attention, check_device, check_index, pow2
+from kernels.triton.checks import (
+    cdiv,
+    check_attention,
+    check_device,
+    check_index,
+    kv_operands,
+    pow2,
+)
 from kernels.triton.combine_splits import plan_combine, split_buffers
 from kernels.triton.launch import Launch
 from kernels.triton.merge_states import plan_merge_states
@@ -37,12 +44,14 @@ from kernels.triton.tiles import (
 def _prefix_attention_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, o_ptr, lse_ptr,  # o, lse: [S, T, Hq, D], [S, T, Hq]
     prefix_pages_ptr, prefix_lens_ptr, cu_q_ptr,
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32, read with FP8 only
     num_groups, qk_scale,
     stride_qt, stride_qh, stride_os, stride_ot, stride_oh, stride_ls, stride_lt, stride_lh,
     stride_table, stride_slot, stride_kvh,
     GROUP: tl.constexpr, TILE_Q: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr, SOFTCAP: tl.constexpr,
+    FP8: tl.constexpr,  # the caches are an FP8 cache's uint8 bits
 ):
     tile = tl.program_id(0)
     kvh = tl.program_id(1)
@@ -71,9 +80,9 @@ def _prefix_attention_kernel(
     q = tl.load(q_ptr + q_off, mask=row_ok[:, None] & (offs_d[None, :] < D), other=0.0)
     acc, m_i, l_i = attend_pages(
         q, k_cache_ptr, v_cache_ptr, prefix_pages_ptr + g * stride_table, kv_lo, kv_hi,
-        kvh, rows, qk_scale, stride_slot, stride_kvh,
+        kvh, rows, qk_scale, stride_slot, stride_kvh, k_scale_ptr, v_scale_ptr,
         False, PAGE_SIZE, D, BLOCK_M, BLOCK_N, BLOCK_D, DOT_PRECISION, DOT_F32,
-        SOFTCAP=SOFTCAP,
+        SOFTCAP=SOFTCAP, FP8=FP8,
     )
     store_tile(o_ptr + split * stride_os, lse_ptr + split * stride_ls, acc, m_i, l_i,
                rows, heads, row_ok, stride_ot, stride_oh, stride_lt, stride_lh, D, BLOCK_D)
@@ -89,15 +98,17 @@ def prefix_attention(
     scale: float,
     *,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # o [T, Hq, D] (q's dtype), lse [T, Hq] fp32
     """Each group's queries against all prefix_lens[g] keys of its pages, no mask; softcap > 0:
-    scores s -> softcap * tanh(s / softcap).
+    scores s -> softcap * tanh(s / softcap). An FP8 cache is read as fp8 * its head's scale.
 
     A group with an empty prefix gives o = 0 and lse = -inf. cu_q must start at 0 and end at T
     (not checked: that would need a device sync); rows outside it are left unspecified.
     """
     return prefix_attention_split(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q, scale,
-                                  softcap=softcap)
+                                  softcap=softcap, k_scale=k_scale, v_scale=v_scale)
 
 
 def prefix_attention_into(
@@ -112,10 +123,13 @@ def prefix_attention_into(
     lse: torch.Tensor,  # [T, Hq] fp32 contiguous, likewise
     *,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """prefix_attention, merged into the state (o, lse) in place (merge_states.py)."""
     o_pre, lse_pre, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages,
-                                                     prefix_lens, cu_q, scale, softcap=softcap)
+                                                     prefix_lens, cu_q, scale, softcap=softcap,
+                                                     k_scale=k_scale, v_scale=v_scale)
     _, _, merge = plan_merge_states(o_pre, lse_pre, o, lse, out=(o, lse))
     launch.run(launches + merge)
 
@@ -130,11 +144,14 @@ def prefix_attention_split(
     scale: float,
     num_splits: int | None = None,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`prefix_attention` with the number of key splits chosen by the caller (tests, benchmarks);
     None: enough splits to give the GPU about two programs per SM."""
     o, lse, launches = plan_prefix_attention(q, k_cache, v_cache, prefix_pages, prefix_lens, cu_q,
-                                             scale, num_splits, softcap=softcap)
+                                             scale, num_splits, softcap=softcap, k_scale=k_scale,
+                                             v_scale=v_scale)
     launch.run(launches)
     return o, lse
 
@@ -149,6 +166,8 @@ def plan_prefix_attention(
     scale: float,
     num_splits: int | None = None,
     softcap: float = 0.0,
+    k_scale: torch.Tensor | None = None,
+    v_scale: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, list[Launch]]:
     """The outputs (o, lse) of prefix_attention_split and the launches that fill them."""
     t, hq, hkv, d, page_size = check_attention(q, k_cache, v_cache)
@@ -160,6 +179,7 @@ def plan_prefix_attention(
     check_index("cu_q", cu_q, (groups + 1,), torch.int32)
     check_device(_prefix_attention_kernel, q=q, k_cache=k_cache, v_cache=v_cache,
                  prefix_pages=prefix_pages, prefix_lens=prefix_lens, cu_q=cu_q)
+    kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
     o = torch.empty_like(q, memory_format=torch.contiguous_format)
     lse = torch.empty(t, hq, dtype=torch.float32, device=q.device)
     if t == 0 or groups == 0 or max_pages == 0:
@@ -175,13 +195,14 @@ def plan_prefix_attention(
     stride_os = o_part.stride(0) if num_splits > 1 else 0
     stride_ls = lse_part.stride(0) if num_splits > 1 else 0
     launches = [Launch(_prefix_attention_kernel, (tiles, hkv, num_splits), (
-        q, k_cache, v_cache, o_part, lse_part, prefix_pages, prefix_lens, cu_q,
+        q, kc, vc, o_part, lse_part, prefix_pages, prefix_lens, cu_q, ks, vs,
         groups, scale * LOG2E,
         q.stride(0), q.stride(1), stride_os, o_part.stride(-3), o_part.stride(-2),
         stride_ls, lse_part.stride(-2), lse_part.stride(-1),
         prefix_pages.stride(0), k_cache.stride(1), k_cache.stride(2),
     ), dict(GROUP=group, TILE_Q=tile_q, PAGE_SIZE=page_size, D=d,
-            BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), SOFTCAP=float(softcap), **options))]
+            BLOCK_M=block_m, BLOCK_D=max(16, pow2(d)), SOFTCAP=float(softcap), FP8=fp8,
+            **options))]
     if num_splits > 1:
         launches.append(plan_combine(o_part, lse_part, o, lse))
     return o, lse, launches

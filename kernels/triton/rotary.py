@@ -5,7 +5,8 @@ heads of D]: q and k heads are rotated (rotate-half, cos and sin tables [P, D] w
 halves, as Hugging Face builds them) and written back; with STORE, the rotated k heads and the
 v heads also go to their slot of the cache (a negative slot is a padding token: not stored).
 The store reads the rotated k from registers, not back from memory: one pass instead of the
-rotation's chain of torch kernels and a store kernel after it.
+rotation's chain of torch kernels and a store kernel after it. An FP8 cache is written as
+store_kv.py writes it (each KV head divided by its scale, rounded to e4m3).
 Rounded as Hugging Face's apply_rotary_pos_emb in the model dtype: cos and sin cast to it, each
 product rounded, then their sum.
 Twins: `kernels.reference.pointwise.rope_ref`, and `kernels.reference.rope_store.rope_store_ref`
@@ -19,7 +20,16 @@ import triton
 import triton.language as tl
 
 from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_cache, check_device, check_index, check_rows, pow2
+from kernels.triton.checks import (
+    cdiv,
+    check_cache,
+    check_device,
+    check_index,
+    check_rows,
+    kv_operands,
+    pow2,
+)
+from kernels.triton.fp8 import encode_e4m3
 from kernels.triton.launch import Launch
 
 
@@ -27,10 +37,12 @@ from kernels.triton.launch import Launch
 def _rope_store_kernel(
     qkv_ptr, positions_ptr, cos_ptr, sin_ptr,  # [T, W] (rows strided), [T] int64, [P, D] fp32
     k_cache_ptr, v_cache_ptr, slot_ptr,  # [num_pages * page_size, Hkv, D] contiguous, [T] int64
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32, read with FP8 only
     stride_t, stride_cos, stride_slot, stride_ch,
     HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
     HEADS: tl.constexpr,  # HQ + HKV, and the HKV v heads after them with STORE
     BLOCK_H: tl.constexpr, HALF: tl.constexpr, STORE: tl.constexpr,
+    FP8: tl.constexpr,  # the caches are the uint8 bits of float8_e4m3fn
 ):
     t = tl.program_id(0)
     offs_h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
@@ -63,10 +75,20 @@ def _rope_store_kernel(
             dst = slot * stride_slot + kv_head[:, None] * stride_ch + offs_d[None, :]
             k_mask = mask & is_k[:, None]
             v_mask = mask & (offs_h >= HQ + HKV)[:, None]
-            tl.store(k_cache_ptr + dst, y1.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(k_cache_ptr + dst + D // 2, y2.to(k_cache_ptr.dtype.element_ty), mask=k_mask)
-            tl.store(v_cache_ptr + dst, y1.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
-            tl.store(v_cache_ptr + dst + D // 2, y2.to(v_cache_ptr.dtype.element_ty), mask=v_mask)
+            if FP8:
+                is_v = (offs_h >= HQ + HKV) & (offs_h < HEADS)
+                k_s = tl.load(k_scale_ptr + kv_head, mask=is_k, other=1.0)[:, None]
+                v_s = tl.load(v_scale_ptr + kv_head, mask=is_v, other=1.0)[:, None]
+                s = tl.where(is_k[:, None], k_s, v_s)
+                z1 = encode_e4m3(tl.math.div_rn(y1.to(tl.float32), s))
+                z2 = encode_e4m3(tl.math.div_rn(y2.to(tl.float32), s))
+            else:
+                z1 = y1.to(k_cache_ptr.dtype.element_ty)
+                z2 = y2.to(k_cache_ptr.dtype.element_ty)
+            tl.store(k_cache_ptr + dst, z1, mask=k_mask)
+            tl.store(k_cache_ptr + dst + D // 2, z2, mask=k_mask)
+            tl.store(v_cache_ptr + dst, z1, mask=v_mask)
+            tl.store(v_cache_ptr + dst + D // 2, z2, mask=v_mask)
 
 
 def rope_store(
@@ -78,10 +100,13 @@ def rope_store(
     k_cache: torch.Tensor,  # [num_pages, page_size, Hkv, D]
     v_cache: torch.Tensor,
     slot_mapping: torch.Tensor,  # [T] int64
+    *,
+    k_scale: torch.Tensor | None = None,  # [Hkv] fp32: an FP8 cache's scales
+    v_scale: torch.Tensor | None = None,
 ) -> None:
     """Rotate the q and k heads of qkv in place; write k and v at their slots of the cache."""
     launch.run(plan_rope_store(qkv, positions, cos, sin, num_heads, k_cache, v_cache,
-                               slot_mapping))
+                               slot_mapping, k_scale=k_scale, v_scale=v_scale))
 
 
 def rope_(
@@ -98,7 +123,9 @@ def rope_(
 def plan_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tensor,
                     sin: torch.Tensor, num_heads: int, k_cache: torch.Tensor | None = None,
                     v_cache: torch.Tensor | None = None,
-                    slot_mapping: torch.Tensor | None = None) -> list[Launch]:
+                    slot_mapping: torch.Tensor | None = None, *,
+                    k_scale: torch.Tensor | None = None,
+                    v_scale: torch.Tensor | None = None) -> list[Launch]:
     """The launch of rope_store; without the cache (None), of rope_ over num_heads heads."""
     if qkv.dim() != 2 or cos.dim() != 2 or cos.shape != sin.shape:
         raise ValueError(f"qkv must be [T, W] and cos, sin [P, D], got {tuple(qkv.shape)}, "
@@ -128,10 +155,14 @@ def plan_rope_store(qkv: torch.Tensor, positions: torch.Tensor, cos: torch.Tenso
         return []
     # at most 512 pairs a program: 16 heads of 128 spill sm_80's registers (compile_check.py)
     block_h = min(16, pow2(heads), max(1, 512 // pow2(d // 2)))
-    caches = (k_cache, v_cache, slot_mapping) if store else (qkv, qkv, positions)
+    fp8 = False
+    caches = (qkv, qkv, positions, cos, cos)  # in the place of the cache's, never read
+    if store:
+        kc, vc, ks, vs, fp8 = kv_operands(k_cache, v_cache, k_scale, v_scale)
+        caches = (kc, vc, slot_mapping, ks, vs)
     return [Launch(_rope_store_kernel, (t, cdiv(heads, block_h)), (
         qkv, positions, cos, sin, *caches,
         qkv.stride(0), cos.stride(0), k_cache.stride(1) if store else 0,
         k_cache.stride(2) if store else 0,
     ), {"HQ": num_heads, "HKV": hkv, "D": d, "HEADS": heads, "BLOCK_H": block_h,
-        "HALF": pow2(d // 2), "STORE": store})]
+        "HALF": pow2(d // 2), "STORE": store, "FP8": fp8})]

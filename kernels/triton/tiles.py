@@ -7,7 +7,8 @@ head, BLOCK_M rows in all, so a decode under grouped-query attention is still a 
 online softmax over its keys block by block through a page table, `store_tile` normalises and
 writes (o, lse). The options of kernels/reference/attend.py live in `attend_pages` as
 constexprs: WINDOW > 0 masks keys before p - WINDOW + 1, SOFTCAP > 0 caps the scores; at 0 (the
-Llama path) they compile away.
+Llama path) they compile away. FP8: the caches are an FP8 cache's uint8 bits, decoded exactly
+into q's dtype (fp8.py), the KV head's scales folded into the score scale and the output.
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ import triton
 import triton.language as tl
 
 from kernels.triton.checks import pow2
+from kernels.triton.fp8 import DECODE_SCALE, decode_e4m3
 from kernels.triton.launch import dot_f32
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the jitted functions
+_DECODE_SCALE = tl.constexpr(DECODE_SCALE)
 
 
 @triton.jit
@@ -48,18 +51,23 @@ def attend_pages(
     kv_lo, kv_hi,  # key positions [kv_lo, kv_hi)
     kvh, q_pos, qk_scale,  # q_pos [BLOCK_M]: query positions (CAUSAL); qk_scale in log2 units
     stride_slot, stride_kvh,
+    k_scale_ptr, v_scale_ptr,  # [Hkv] fp32, read with FP8 only
     CAUSAL: tl.constexpr, PAGE_SIZE: tl.constexpr, D: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
     DOT_PRECISION: tl.constexpr, DOT_F32: tl.constexpr,
-    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0,
+    WINDOW: tl.constexpr = 0, SOFTCAP: tl.constexpr = 0.0, FP8: tl.constexpr = False,
 ):
     """Online softmax over keys -> (acc [BLOCK_M, BLOCK_D] unnormalised, m_i and l_i [BLOCK_M]),
     m_i in log2 units; a row with no visible key keeps m_i = -inf and l_i = 0. WINDOW > 0
     (CAUSAL): a query sees the keys after q_pos - WINDOW only; SOFTCAP > 0: natural-unit scores
     s -> SOFTCAP * tanh(s / SOFTCAP) before the mask. DOT_F32: the products in float32 (the
-    interpreter's bfloat16 tl.dot is wrong: launch.dot_f32)."""
+    interpreter's bfloat16 tl.dot is wrong: launch.dot_f32). FP8: k and v are e4m3 bits, read
+    as bits * k_scale (v_scale) of KV head kvh."""
+    model_dtype = q.dtype
     if DOT_F32:
         q = q.to(tl.float32)
+    if FP8:  # decoded keys are k / (DECODE_SCALE * k_scale): the factor goes to the scores
+        qk_scale = qk_scale * (tl.load(k_scale_ptr + kvh) * _DECODE_SCALE)
     offs_n = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     d_ok = offs_d < D
@@ -75,7 +83,10 @@ def attend_pages(
         kv_mask = key_ok[:, None] & d_ok[None, :]
         k = tl.load(k_cache_ptr + kv_off, mask=kv_mask, other=0.0)  # [BLOCK_N, BLOCK_D]
         v = tl.load(v_cache_ptr + kv_off, mask=kv_mask, other=0.0)
-        if DOT_F32:
+        if FP8:
+            k = decode_e4m3(k).to(q.dtype)
+            v = decode_e4m3(v).to(q.dtype)
+        elif DOT_F32:
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale  # [M, N]
@@ -92,11 +103,13 @@ def attend_pages(
         alpha = tl.exp2(m_i - m_safe)
         p = tl.exp2(s - m_safe[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        p_in = p.to(v_cache_ptr.dtype.element_ty)  # rounded to the cache's dtype, as on a GPU
+        p_in = p.to(model_dtype)  # rounded to q's dtype, as on a GPU
         if DOT_F32:
             p_in = p_in.to(tl.float32)
         acc = acc * alpha[:, None] + tl.dot(p_in, v, input_precision=DOT_PRECISION)
         m_i = m_new
+    if FP8:  # decoded values are v / (DECODE_SCALE * v_scale)
+        acc = acc * (tl.load(v_scale_ptr + kvh) * _DECODE_SCALE)
     return acc, m_i, l_i
 
 
