@@ -4,8 +4,7 @@ With engine.workers > 1 it also shows the shards (planning is local: no Ray inst
 from __future__ import annotations
 
 from batchllm.config import load_job
-from batchllm.model.loader import describe_model
-from batchllm.model.weights import job_model
+from batchllm.model.loader import describe_model, job_model
 from batchllm.rows.build import build_rows
 from batchllm.rows.reader import read_input
 from batchllm.scale.assign import describe, job_plan, partition_job, partitioned, shard_job

@@ -24,8 +24,10 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+from batchllm.model.cache_dir import cache_root
+
 # Every attribute of a config that batchllm's model code reads (families.py, rotary.py,
-# decoder.py, weights.py, experts.py); tests/test_config_cache.py checks the code against it.
+# decoder.py, loader.py, experts.py); tests/test_hf_cache.py checks the code against it.
 READS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -61,8 +63,6 @@ def _transformers_version() -> str:
 
 def cache_file(kind: str, key: bytes) -> Path:
     """cache_root()/hf/<kind>-<digest of key and the transformers version>.json"""
-    from batchllm.model.weights import cache_root  # weights imports this module
-
     digest = hashlib.sha256(key + b"\0" + _transformers_version().encode()).hexdigest()[:32]
     return cache_root() / "hf" / f"{kind}-{digest}.json"
 

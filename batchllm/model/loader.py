@@ -10,17 +10,15 @@ from pathlib import Path
 import torch
 
 from batchllm.model import panel_cache
+from batchllm.model import tokenizer as tokenizers
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
-from batchllm.model.weights import (
-    eos_token_ids,
-    load_config,
-    load_weights,
-    model_len_limit,
-    resolve_model,
-    run_tokenizer,
-)
+from batchllm.model.hf_cache import load_config
+from batchllm.model.resolve import resolve_model
+from batchllm.model.rotary import position_limit
+from batchllm.model.tokenizer import eos_token_ids
+from batchllm.model.weights import load_weights
 
 
 @dataclass
@@ -62,10 +60,32 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def describe_model(path: str, dtype: str = "auto", device: str = "auto") -> dict[str, object]:
+def model_len_limit(config, requested: int | None = None) -> int:
+    """The longest sequence (prompt and completion) a run allows: the model's own limit, or
+    model.max_model_len when the job asks for less. Phi-3's longrope models stop at
+    original_max_position_embeddings (model/rotary.py says why)."""
+    limit, why = position_limit(config)
+    if requested is not None and requested > limit:
+        raise ModelError(f"model.max_model_len: {requested} exceeds the model's limit of {limit}"
+                         + (f" ({why})" if why else ""))
+    return limit if requested is None else requested
+
+
+def job_model(path: str, requested_len: int | None, revision: str | None = None):
+    """What planning a job needs of its model without loading the weights: the tokenizer and
+    the length limit (model_len_limit). An unsupported family fails here, before any row is
+    tokenized."""
+    folder = resolve_model(path, revision)
+    config = load_config(folder)
+    describe(config)
+    return tokenizers.load(folder), model_len_limit(config, requested_len)
+
+
+def describe_model(path: str, dtype: str = "auto", device: str = "auto",
+                   revision: str | None = None) -> dict[str, object]:
     """What `batchllm plan` says of the model without loading its weights: the family and the
     KV cache bytes per token in the dtype a run would use."""
-    config = load_config(resolve_model(path))
+    config = load_config(resolve_model(path, revision))
     planned = torch.device("cuda" if device == "cuda" or (
         device == "auto" and torch.cuda.is_available()) else "cpu")
     return {"model_family": describe(config).summary(),
@@ -74,16 +94,17 @@ def describe_model(path: str, dtype: str = "auto", device: str = "auto") -> dict
 
 
 def load_model(
-    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None
+    path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
+    revision: str | None = None,
 ) -> LoadedModel:
-    """`path` is a built-in alias or a local Hugging Face folder."""
+    """The model at `path` (resolve.resolve_model says what it may be), ready to run."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    folder = resolve_model(path)
+    folder = resolve_model(path, revision)
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
     limit = model_len_limit(config, max_model_len)
-    tokenizer = run_tokenizer(folder)
+    tokenizer = tokenizers.load(folder)
     model, cached = _build(config, state, limit, folder)
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit, cached)

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from batchllm.config import JobConfig
-from batchllm.model.weights import job_model
+from batchllm.model.loader import job_model
 from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress

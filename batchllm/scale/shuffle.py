@@ -29,7 +29,8 @@ from batchllm.scale.worker import Shard
 
 @functools.cache
 def _tokenizer(model_path: str):
-    from batchllm.model.weights import load_tokenizer, resolve_model
+    from batchllm.model.resolve import resolve_model
+    from batchllm.model.tokenizer import load_tokenizer
 
     return load_tokenizer(resolve_model(model_path))
 
