@@ -282,7 +282,7 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     from batchllm.model.tokenizer import lazy_token_text
 
     return lambda table, f: write_results(table, f, kinds, cfg.model.path, created,
-                                          lazy_token_text(cfg.model.path))
+                                          lazy_token_text(cfg.model.path, cfg.model.revision))
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

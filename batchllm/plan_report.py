@@ -15,7 +15,8 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
     cfg = load_job(job, overrides)
     require_ray(cfg)
     source = read_input(cfg.input)
-    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len,
+                                 cfg.model.revision)
     rows = build_rows(tokenizer, cfg.input, cfg.sampling, source, keep_prompt=False)
     partition = partitioned(cfg)
     if cfg.engine.workers > 1:
@@ -39,7 +40,7 @@ def plan_job(job: str, overrides: list[str]) -> dict[str, object]:
         "predicted_peak_kv_pages": plan.predict_peak_pages(
             cfg.engine.page_size, cfg.engine.max_num_seqs),
         "page_size": cfg.engine.page_size,
-        **describe_model(cfg.model.path, cfg.model.dtype, cfg.model.device),
+        **describe_model(cfg.model.path, cfg.model.dtype, cfg.model.device, cfg.model.revision),
     }
     if cfg.engine.workers > 1:
         report["sharding"] = ("partition (rows cut by leading tokens; at run time Ray tasks "

@@ -68,7 +68,7 @@ class Runtime:
         """Load `model` (a built-in alias or a Hugging Face folder) and size its KV pool."""
         s = settings
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
-        loaded = load_model(model, s.dtype, s.device, s.max_model_len)
+        loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.revision)
         bytes_per_token = loaded.model.shape.kv_bytes_per_token(loaded.model.dtype)
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
         engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, s.page_size), s.page_size,

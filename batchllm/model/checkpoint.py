@@ -7,9 +7,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from batchllm.model.errors import ModelError
+from batchllm.model.shards import tensor_files, weight_files
 
 
 class Tensors:
@@ -48,13 +48,9 @@ class Tensors:
                          f"{listed}{more}: not part of a {self._family} model")
 
     def _files(self) -> list[Path]:
-        return sorted(self._folder.glob("*.safetensors")) if self._folder else []
+        return weight_files(self._folder) if self._folder else []
 
     def _owners(self, names: list[str]) -> dict[str, str]:
-        """Which file holds each name (the safetensors headers only)."""
-        owners = {}
-        for path in self._files():
-            with safe_open(path, "pt") as f:
-                held = set(f.keys())  # a safetensors file is not a dict: no `in f`
-            owners.update({n: path.name for n in names if n in held})
-        return owners
+        """Which file holds each name (the index, or the safetensors headers only)."""
+        owners = tensor_files(self._folder) if self._folder else {}
+        return {n: owners[n].name for n in names if n in owners}

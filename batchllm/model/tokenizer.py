@@ -54,7 +54,8 @@ class Tokenizer:
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
         """{"input_ids": ids} of one text, or a list of them of a list of texts."""
         texts = [text] if isinstance(text, str) else list(text)
-        ids = [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        encoded = self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        ids = [e.ids for e in encoded]
         return {"input_ids": ids[0] if isinstance(text, str) else ids}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:

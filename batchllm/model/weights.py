@@ -9,17 +9,19 @@ from safetensors.torch import load_file
 
 from batchllm.model.errors import ModelNotFoundError
 from batchllm.model.hf_cache import load_config
+from batchllm.model.shards import weight_files
 
 
 def load_weights(folder: Path, dtype: torch.dtype, device: torch.device | str):
-    """Read every *.safetensors file of `folder` into one state dict with Hugging Face key names.
+    """Read the checkpoint's files (shards.weight_files) into one state dict with Hugging Face
+    key names.
 
     Floating tensors are cast to `dtype`, all moved to `device`. `lm_head.weight` is left out when
     the config ties it to `model.embed_tokens.weight` (as transformers does).
     Returns (config, state).
     """
     config = load_config(folder)
-    files = sorted(Path(folder).glob("*.safetensors"))
+    files = weight_files(Path(folder))
     if not files:
         raise ModelNotFoundError(f"model.path: {folder}: no *.safetensors weights")
     state: dict[str, torch.Tensor] = {}

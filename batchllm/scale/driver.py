@@ -95,7 +95,7 @@ class _Work:
 
 def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[_Work, JobShards]:
     """engine.sharding: tree: the driver tokenizes and plans the whole job and cuts the plan."""
-    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     rows = build_rows(tokenizer, cfg.input, cfg.sampling, source,
                       keep_prompt=cfg.output.include_prompt)
     job = shard_job(rows, cfg, limit, cfg.engine.workers)
@@ -108,7 +108,7 @@ def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[_Work, JobShards]:
 
 def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partitions]:
     """engine.sharding: partition: tasks tokenize and range-partition; workers plan."""
-    _, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    _, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     parts = partition_rows(cfg, index, cfg.engine.workers, limit)
 
     def call(actor, k: int, done: set[int]):
