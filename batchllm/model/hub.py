@@ -41,6 +41,8 @@ def hub_folder(repo_id: str, revision: str | None = None, config_only: bool = Fa
         kwargs["revision"] = folder.name  # the commit just resolved, should the branch move
         names = weight_map(folder)
         shards = sorted(set(names.values())) if names is not None else [SINGLE]
+        if all((folder / s).is_file() for s in shards):  # a commit's files never change
+            return folder
         folder = Path(snapshot_download(repo_id, allow_patterns=shards, **kwargs))
         if names is None and not (folder / SINGLE).is_file():  # weights under another name
             folder = Path(snapshot_download(repo_id, allow_patterns=["*.safetensors"], **kwargs))
