@@ -217,3 +217,18 @@ def test_longrope_limits_the_length_to_the_short_factors_range() -> None:
     with pytest.raises(ModelError, match="model.max_model_len: 129 exceeds the model's limit of "
                                          "128 \\(longrope scaling: transformers switches"):
         model_len_limit(config, 129)
+
+
+def test_a_part_is_the_slice_of_the_whole_tensor() -> None:
+    """What a tensor-parallel rank will read of its share (safe_open's get_slice)."""
+    from batchllm.model.weights import Checkpoint
+
+    checkpoint = Checkpoint(tiny_model_folder("qwen2"), torch.float32, "cpu")
+    for name, dim in [("model.layers.0.self_attn.q_proj.weight", 0),
+                      ("model.layers.0.self_attn.o_proj.weight", 1),
+                      ("model.layers.1.self_attn.k_proj.bias", 0)]:
+        whole = checkpoint.read(name)
+        for index, piece in enumerate(whole.chunk(2, dim)):
+            assert torch.equal(checkpoint.read(name, (dim, index, 2)), piece), (name, index)
+    with pytest.raises(ValueError, match="do not split in 3 equal parts"):
+        checkpoint.read("model.layers.0.self_attn.q_proj.weight", (0, 0, 3))

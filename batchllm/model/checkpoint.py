@@ -4,6 +4,7 @@ and the checkpoint lacks, or one the checkpoint has and the family never takes, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
@@ -13,11 +14,13 @@ from batchllm.model.shards import tensor_files, weight_files
 
 
 class Tensors:
-    """Takes tensors out of a state dict by their checkpoint names (weights.load_weights)."""
+    """Takes tensors out of a state by their checkpoint names: a dict, or a weights.Checkpoint
+    whose tensors are read as they are taken (one at a time, in the order the model is built)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], family: str,
+    def __init__(self, state: Mapping[str, torch.Tensor], family: str,
                  folder: Path | None = None) -> None:
-        self._left = dict(state)
+        self._state = state
+        self._left = set(state)
         self._family = family
         self._folder = folder
 
@@ -31,7 +34,8 @@ class Tensors:
             where = f"{self._folder}: " if self._folder else ""
             raise ModelError(f"model.path: {where}tensor {name!r} is missing from {files} "
                              f"(the {self._family} family needs it)")
-        return self._left.pop(name)
+        self._left.remove(name)
+        return self._state[name]
 
     def take_all(self, names: list[str]) -> list[torch.Tensor]:
         return [self.take(n) for n in names]

@@ -18,7 +18,7 @@ from batchllm.model.hf_cache import load_config
 from batchllm.model.resolve import resolve_model
 from batchllm.model.rotary import position_limit
 from batchllm.model.tokenizer import eos_token_ids
-from batchllm.model.weights import load_weights
+from batchllm.model.weights import give_back_freed_heap, load_weights
 
 
 @dataclass
@@ -106,6 +106,7 @@ def load_model(
     limit = model_len_limit(config, max_model_len)
     tokenizer = tokenizers.load(folder)
     model, cached = _build(config, state, limit, folder)
+    give_back_freed_heap()  # what the last layers' packing freed
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit, cached)
 
