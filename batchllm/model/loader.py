@@ -11,7 +11,7 @@ import torch
 
 from batchllm.model import panel_cache
 from batchllm.model import tokenizer as tokenizers
-from batchllm.model.decoder import DecoderModel, model_shape
+from batchllm.model.decoder import DecoderModel
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
 from batchllm.model.hf_cache import load_config
@@ -79,18 +79,6 @@ def job_model(path: str, requested_len: int | None, revision: str | None = None)
     config = load_config(folder)
     describe(config)
     return tokenizers.load(folder), model_len_limit(config, requested_len)
-
-
-def describe_model(path: str, dtype: str = "auto", device: str = "auto",
-                   revision: str | None = None) -> dict[str, object]:
-    """What `batchllm plan` says of the model without loading its weights: the family and the
-    KV cache bytes per token in the dtype a run would use."""
-    config = load_config(resolve_model(path, revision))
-    planned = torch.device("cuda" if device == "cuda" or (
-        device == "auto" and torch.cuda.is_available()) else "cpu")
-    return {"model_family": describe(config).summary(),
-            "kv_bytes_per_token": model_shape(config).kv_bytes_per_token(
-                pick_dtype(dtype, planned))}
 
 
 def load_model(
