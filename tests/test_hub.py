@@ -10,6 +10,7 @@ the plain folder's tokens; revisions by commit and by tag; what is missing is na
 
 from __future__ import annotations
 
+import atexit
 import functools
 import hashlib
 import json
@@ -46,7 +47,9 @@ def sharded_folder() -> Path:
     """The tiny Qwen2 saved by transformers in shards of at most 4 MB, its tokenizer and
     generation config, and a consolidated.safetensors that no load may read."""
     source = tiny_model_folder("qwen2")
-    folder = Path(tempfile.mkdtemp(prefix="batchllm-sharded-")) / "tiny-qwen2"
+    root = Path(tempfile.mkdtemp(prefix="batchllm-sharded-"))
+    atexit.register(shutil.rmtree, root, True)
+    folder = root / "tiny-qwen2"
     hf_model(source).save_pretrained(folder, max_shard_size="4MB")
     for f in source.iterdir():
         if not f.name.endswith(".safetensors") and not (folder / f.name).exists():

@@ -9,7 +9,9 @@ projections come from the panel file reads almost nothing of the checkpoint.
 
 from __future__ import annotations
 
+import atexit
 import functools
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -33,6 +35,7 @@ def panels_only(monkeypatch) -> None:
 @functools.cache
 def checkpoint(saved: str) -> Path:
     root = Path(tempfile.mkdtemp(prefix="batchllm-rss-"))
+    atexit.register(shutil.rmtree, root, True)
     return random_llama(root / f"llama-{saved}", hidden=512, layers=12, vocab=8192, saved=saved)
 
 
