@@ -22,7 +22,9 @@ _SET = typer.Option("--set", help="Override a job field: section.key=value (repe
 
 
 def _fail(message: str, code: int) -> None:
-    print(f"batchllm: error: {message}", file=sys.stderr)
+    from batchllm.rows.storage import redact  # no URI's credentials in what is printed
+
+    print(redact(f"batchllm: error: {message}"), file=sys.stderr)
     raise typer.Exit(code)
 
 
@@ -57,10 +59,6 @@ def run(
     cfg = None
     try:
         cfg = load_job(job, overrides)
-        if cfg.engine.workers <= 1:  # one process: nothing hands pyarrow pandas objects
-            from batchllm.rows import pandas_probe
-
-            pandas_probe.settle()
         metrics = run_job(cfg, progress=not quiet, progress_every=progress_every,
                           resume=resume_command(job, overrides), started=started)
     except _start_errors() as e:
@@ -72,7 +70,9 @@ def run(
     except Exception as e:  # noqa: BLE001 - the one place every unexpected failure ends
         log = write_error_log(cfg, e)
         if debug:
-            traceback.print_exception(e, file=sys.stderr)
+            from batchllm.rows.storage import redact
+
+            print(redact("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         what = str(e).replace("\n", " ")
         _fail(f"{type(e).__name__}: {what} (the traceback is in {log}"
               + (")" if debug else "; --debug prints it here)"), 1)

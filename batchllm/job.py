@@ -7,6 +7,7 @@ resume (JobFailed).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import shlex
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 import traceback
+from pathlib import Path
 
 from batchllm import collector
 from batchllm.config import ConfigError, JobConfig, load_job
@@ -23,23 +25,19 @@ from batchllm.engine.metrics import Phases, RunMetrics
 from batchllm.engine.scheduler import KVCacheTooSmall
 from batchllm.model.errors import ModelError
 from batchllm.progress import Progress, summary
+from batchllm.resume import JobCannotStart, job_fingerprint, prepare_output
 from batchllm.rows import storage
 from batchllm.rows.blocks import InputIndex, read_index
 from batchllm.rows.build import build_rows
-from batchllm.rows.fingerprint import fingerprint
 from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
 from batchllm.rows.reader import InputRows, read_input
 from batchllm.rows.samples import whole_rows
+from batchllm.rows.storage import redact
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import require_ray
-
-
-class JobCannotStart(Exception):
-    """The job cannot start: the output exists or another run writes it, an input or the model
-    is missing (exit code 2)."""
 
 
 class JobInterrupted(Exception):
@@ -68,46 +66,41 @@ def resume_command(job: object, overrides: list[str] | tuple[str, ...] = ()) -> 
 
 
 def write_error_log(cfg: JobConfig | None, error: BaseException) -> str:
-    """The full traceback of an unexpected failure, in "<output>.error.log" (a temporary folder
-    when that cannot be written, or without a config); returns where it went."""
+    """The full traceback of an unexpected failure, credentials redacted, in
+    "<output>.error.log", readable by its owner only; where that cannot be written (or without a
+    config), in a private folder (error_log_folder). Returns where it went."""
     name = cfg.name if cfg else "?"
-    text = (f"batchllm run of job {name!r} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}\n"
-            f"command: {' '.join(sys.argv)}\n\n"
-            + "".join(traceback.format_exception(error)))
+    text = redact(f"batchllm run of job {name!r} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}"
+                  f"\ncommand: {' '.join(sys.argv)}\n\n"
+                  + "".join(traceback.format_exception(error)))
+    data = text.encode()
     try:
         if cfg is None:
             raise OSError("no output path")
         path = cfg.output.path + ".error.log"
         storage.makedirs(storage.dirname(path))
-        storage.write_text(path, text)
+        storage.write_atomic(path, lambda f: f.write(data), mode=0o600)
     except OSError:
-        path = os.path.join(tempfile.gettempdir(), f"batchllm-{os.getpid()}.error.log")
-        with open(path, "w") as f:
-            f.write(text)
-    return path
+        path = os.path.join(error_log_folder(), f"batchllm-{os.getpid()}.error.log")
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+    return redact(path)
 
 
-def _prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set[int]:
-    """Apply output.mode; returns the rows already done (resume)."""
-    exists = storage.exists(cfg.output.path)
-    if cfg.output.mode == "error" and (exists or writer.has_checkpoint()):
-        what = cfg.output.path if exists else writer.parts_dir
-        raise JobCannotStart(
-            f"output.path: {what} exists; set output.mode to overwrite or resume "
-            f"(--set output.mode=resume)"
-        )
-    if cfg.output.mode == "overwrite":
-        writer.clear()
-        return set()
-    if cfg.output.mode == "resume":
-        if exists and not writer.has_checkpoint():
-            return {-1}  # already complete: nothing to run
-        done = writer.done_rows()
-        for bad in writer.discarded:
-            print(f"batchllm: warning: {bad.path} {bad.why}; moved to {bad.moved_to}; its rows "
-                  "run again", file=sys.stderr)
-        return done
-    return set()
+def error_log_folder() -> str:
+    """A folder of this user's only, for error logs with nowhere else to go: $BATCHLLM_CACHE/logs
+    or ~/.cache/batchllm/logs (0700), else a new private folder in the temporary folder."""
+    try:
+        env = os.environ.get("BATCHLLM_CACHE")
+        folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "logs"
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        st = os.lstat(folder)
+        if os.path.isdir(folder) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
+            return str(folder)
+    except (OSError, RuntimeError):  # RuntimeError: no home directory
+        pass
+    return tempfile.mkdtemp(prefix="batchllm-log-")
 
 
 def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str, ...] = (),
@@ -128,14 +121,17 @@ def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str
         lock.acquire()
     except OutputLocked as e:
         pid = e.holder.pid if e.holder.pid is not None else "PID"
-        raise JobCannotStart(f"{e}; wait for it to end (`flock {e.lock_path} true` returns when "
-                             f"it does), or stop it (kill {pid}) and resume: {resume}") from None
+        raise JobCannotStart(redact(f"{e}; wait for it to end (`flock {e.lock_path} true` returns "
+                                    f"when it does), or stop it (kill {pid}) and resume: "
+                                    f"{resume}")) from None
     except OSError as e:
-        raise JobCannotStart(f"output.path: cannot create the lock file {lock.path}: "
-                             f"{e.strerror or e}") from None
+        why = ("it is a symbolic link (remove it, if no run of this job is starting)"
+               if e.errno == errno.ELOOP else e.strerror or e)
+        raise JobCannotStart(redact(f"output.path: cannot create the lock file {lock.path}: "
+                                    f"{why}")) from None
     if lock.local_only:
-        print(f"batchllm: note: object storage has no locks; {cfg.output.path} is locked on "
-              "this machine only", file=sys.stderr)
+        print(redact(f"batchllm: note: object storage has no locks; {cfg.output.path} is locked "
+                     "on this machine only"), file=sys.stderr)
     prom = None
     if cfg.output.prometheus:
         prom = PrometheusFile(cfg.output.prometheus, cfg.name, start_timestamp_seconds=time.time())
@@ -155,15 +151,16 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
     with phases.timed("read"):
         rows: InputRows | InputIndex = read_index(cfg.input) if partitioned(cfg) else read_input(
             cfg.input)
-        writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, rows.files),
+    with phases.timed("load"):  # the model's files, dtype, device, kernels: before the weights
+        writer = CheckpointWriter(cfg.output.path, job_fingerprint(cfg, rows.files),
                                   flush_rows=int(os.environ.get("BATCHLLM_CHECKPOINT_ROWS", "256")))
-    done = _prepare_output(cfg, writer)
-    if done == {-1}:
-        print(f"{cfg.output.path} is complete; nothing to resume", file=sys.stderr)
+    done = prepare_output(cfg, writer)
+    if done is None:
+        print(redact(f"{cfg.output.path} is complete; nothing to resume"), file=sys.stderr)
         try:
             with storage.open_bytes(cfg.output.path + ".metrics.json") as f:
                 return json.load(f)
-        except OSError:
+        except (OSError, ValueError):
             return {"rows": rows.num_rows, "rows_error": 0}
     whole = whole_rows(done)  # the other keys of `done`: samples of rows not all done
     if prom is not None:
@@ -176,9 +173,10 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
             written = writer.finalize(rows.ids.type, _metadata(cfg), cfg.output.include_prompt,
                                       cfg.output.include_token_ids, rows.num_rows,
                                       _final_format(cfg, rows))
-        metrics.update(rows=written.rows, rows_ok=written.rows - written.rows_error,
-                       rows_error=written.rows_error, rows_resumed=whole, job=cfg.name,
-                       parts_discarded=len(writer.discarded), **phases.to_dict())
+        metrics.update(this_process(metrics), rows=written.rows,
+                       rows_ok=written.rows - written.rows_error, rows_error=written.rows_error,
+                       rows_resumed=whole, job=cfg.name, parts_discarded=len(writer.discarded),
+                       **phases.to_dict(), fingerprint=writer.fingerprint)
         write_metrics(cfg.output.path, metrics)
     except storage.WriteFailed as e:
         bar.close()
@@ -188,8 +186,8 @@ def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFi
                     exit_status=3 if written.rows_error else 0,
                     last_success_timestamp_seconds=time.time())
         if prom.error:
-            print(f"batchllm: warning: {prom.error}", file=sys.stderr)
-    print(summary(metrics, cfg.output.path), file=sys.stderr)
+            print(redact(f"batchllm: warning: {prom.error}"), file=sys.stderr)
+    print(redact(summary(metrics, cfg.output.path)), file=sys.stderr)
     return metrics
 
 
@@ -215,8 +213,8 @@ def _run_rows(cfg: JobConfig, rows: InputRows | InputIndex, writer: CheckpointWr
     except JobInterrupted as stop:
         writer.flush()
         bar.close()
-        print(f"\n{stop}: finished rows are saved in {writer.parts_dir}; resume with\n"
-              f"  {resume}", file=sys.stderr)
+        print(redact(f"\n{stop}: finished rows are saved in {writer.parts_dir}; resume with\n"
+                     f"  {resume}"), file=sys.stderr)
         raise
     finally:
         for s, h in previous.items():
@@ -231,7 +229,19 @@ def _write_failed(e: storage.WriteFailed, cfg: JobConfig, writer: CheckpointWrit
         saved = f"the output {cfg.output.path} is complete"
     else:
         saved = "no finished rows were saved yet"
-    return f"{e}; {saved}; once there is room, resume with: {resume}"
+    return redact(f"{e}; {saved}; once there is room, resume with: {resume}")
+
+
+# What this process did, under names that say so: after a resume `rows`, `rows_ok` and
+# `rows_error` count the whole file, while the run's figures count only the rows this process ran.
+THIS_PROCESS = ("rows", "prompt_tokens", "prefill_tokens", "cached_tokens", "completion_tokens",
+                "wall_seconds", "output_tokens_per_s", "total_tokens_per_s")
+
+
+def this_process(metrics: dict) -> dict:
+    """run_<key> for each THIS_PROCESS key of a run's metrics (before `rows` becomes the
+    file's)."""
+    return {f"run_{k}": metrics[k] for k in THIS_PROCESS if k in metrics}
 
 
 def _phases_of(metrics, phases: Phases) -> dict:
@@ -271,7 +281,7 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
 
 def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     """How the final file is written: None for Parquet, else the OpenAI Batch results writer
-    (each row a chat or a completion, as its request was)."""
+    (each row a chat or a completion, as its request was), given the groups in order."""
     if cfg.output.format != "openai-batch":
         return None
     kinds: list[str] | str = "chat" if cfg.input.chat_template else "completion"
@@ -281,8 +291,9 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     # a token id's text, for the results' log-probabilities (the tokenizer loaded only if asked)
     from batchllm.model.tokenizer import lazy_token_text
 
-    return lambda table, f: write_results(table, f, kinds, cfg.model.path, created,
-                                          lazy_token_text(cfg.model.path, cfg.model.revision))
+    return lambda groups, schema, f: write_results(groups, f, kinds, cfg.model.path, created,
+                                                   lazy_token_text(cfg.model.path,
+                                                                   cfg.model.revision))
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

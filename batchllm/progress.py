@@ -146,6 +146,10 @@ def summary(metrics: dict, output: str) -> str:
         f"  model {m['model']} on {m['device']} ({m['dtype']})",
     ]
     if m.get("rows_resumed") or m.get("parts_discarded"):
+        if "run_rows" in m:  # the figures above are this process's; the rows the file's
+            lines.append(f"  this run: {m['run_rows']} rows, prefilled {m['run_prefill_tokens']},"
+                         f" completion {m['run_completion_tokens']}, "
+                         f"{m['run_output_tokens_per_s']:.1f} output tok/s")
         lines.append(f"  resumed: {m.get('rows_resumed', 0)} rows from the checkpoint, "
                      f"{m.get('parts_discarded', 0)} parts discarded")
     return "\n".join(lines)

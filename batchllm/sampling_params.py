@@ -1,4 +1,7 @@
-"""Per-request sampling settings, as vLLM users know them."""
+"""Per-request sampling settings, as vLLM users know them, and the limits a row must keep.
+
+A row outside a limit is an error row whose error names the field and the limit; the job goes on.
+"""
 
 from __future__ import annotations
 
@@ -8,9 +11,28 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchllm.config.limits import MAX_DEPTH, stop_problem, too_deep, value_too_deep
+
 MAX_N = 128  # samples per row, OpenAI's limit: a typo must not multiply a job by millions
 MAX_LOGPROBS = 20  # top alternatives per token, OpenAI's and the job file's limit
+MAX_TOKENS = 2**31 - 1  # int32, as the plan holds it; a row is stopped at the model's length
+# limit (max_model_len, finish_reason "length") whatever it asks, as vLLM does
+MAX_TOP_K = 2**31 - 1
+SEEDS = (-(2**63), 2**64 - 1)  # int64 or uint64, as OpenAI's and numpy's seeds are
+# A temperature below this is greedy, as in vLLM (its _SAMPLING_EPS): logits over 1e-50 are
+# infinite in float32 (and 1e-50 itself is 0 there), which makes the probabilities NaN.
+GREEDY_BELOW = 1e-5
 CONSTRAINTS = ("json_schema", "regex", "choice")  # structured output: one of them per row
+
+
+def finite(x: object) -> bool:
+    """A real number (not a bool) that is finite; False for an integer too large for a float."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    try:
+        return math.isfinite(x)
+    except OverflowError:  # a 400-digit integer
+        return False
 
 
 def canonical_json(value: Any) -> str:
@@ -20,16 +42,19 @@ def canonical_json(value: Any) -> str:
 
 
 def _maybe_json(value: Any) -> Any:
-    """A JSON text parsed (a per-row column holds JSON strings); anything else as it is."""
-    if isinstance(value, str):
+    """A JSON text parsed (a per-row column holds JSON strings); anything else, or a text too
+    deep to parse, as it is."""
+    if isinstance(value, str) and too_deep(value) is None:
         try:
             return json.loads(value)
-        except ValueError:
+        except (ValueError, RecursionError):
             return value
     return value
 
 
 def _schema_text_problem(text: object) -> str | None:
+    if isinstance(text, (dict, list)):  # kept as given: too deep to be written as JSON
+        return f"json_schema is nested more than {MAX_DEPTH} levels deep"
     if not isinstance(text, str):
         return f"json_schema must be a JSON schema (an object), got {text!r:.80}"
     return _schema_json_problem(text)
@@ -37,13 +62,20 @@ def _schema_text_problem(text: object) -> str | None:
 
 @functools.lru_cache(maxsize=1024)  # a job's rows mostly share a few schemas
 def _schema_json_problem(text: str) -> str | None:
+    deep = too_deep(text)
+    if deep:
+        return f"json_schema is {deep}"
     try:
         schema = json.loads(text)
-    except ValueError as e:
+    except (ValueError, RecursionError) as e:
         return f"json_schema is not valid JSON ({e}): {text!r:.80}"
     if not isinstance(schema, (dict, bool)):
         return f"json_schema must be a JSON object, got {text!r:.80}"
     return None
+
+
+def _int_in(x: object, lo: int, hi: int) -> bool:
+    return not isinstance(x, bool) and isinstance(x, int) and lo <= x <= hi
 
 
 @dataclass(frozen=True)
@@ -74,9 +106,12 @@ class SamplingParams:
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
             object.__setattr__(self, "stop", tuple(self.stop or ()))
-        if isinstance(self.json_schema, (dict, bool)):  # JSON text is kept as it is: parsing it
-            # for every row of a job would cost more than a second compile of a respelled schema
+        if isinstance(self.json_schema, (dict, bool)) and not value_too_deep(self.json_schema):
+            # JSON text is kept as it is: parsing it for every row of a job would cost more
+            # than a second compile of a respelled schema
             object.__setattr__(self, "json_schema", canonical_json(self.json_schema))
+        if finite(self.temperature) and 0 < self.temperature < GREEDY_BELOW:
+            object.__setattr__(self, "temperature", 0.0)
         choice = _maybe_json(self.choice)
         if isinstance(choice, list):
             object.__setattr__(self, "choice", tuple(choice))
@@ -95,31 +130,30 @@ class SamplingParams:
 
     def problem(self) -> str | None:
         """Why these settings cannot run, in words a user can act on; None when fine."""
-        def bad_number(x: object) -> bool:
-            return isinstance(x, bool) or not isinstance(x, (int, float)) or math.isnan(x)
+        if not _int_in(self.max_tokens, 1, MAX_TOKENS):
+            return f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {self.max_tokens!r:.80}"
+        if not finite(self.temperature) or self.temperature < 0:
+            return f"temperature must be a finite number >= 0, got {self.temperature!r:.80}"
+        if not finite(self.top_p) or not 0 < self.top_p <= 1:
+            return f"top_p must be in (0, 1], got {self.top_p!r:.80}"
+        if not _int_in(self.top_k, 0, MAX_TOP_K):
+            return f"top_k must be an integer in 0..{MAX_TOP_K}, got {self.top_k!r:.80}"
+        if not _int_in(self.seed, *SEEDS):
+            return f"seed must be an integer in {SEEDS[0]}..{SEEDS[1]}, got {self.seed!r:.80}"
+        return self._stop_problem() or self._count_problem() or self._constraint_problem()
 
-        def bad_int(x: object) -> bool:
-            return isinstance(x, bool) or not isinstance(x, int)
-
-        if bad_int(self.max_tokens):
-            return f"max_tokens must be an integer >= 1, got {self.max_tokens!r}"
-        if self.max_tokens < 1:
-            return f"max_tokens must be >= 1, got {self.max_tokens}"
-        if bad_number(self.temperature) or self.temperature < 0:
-            return f"temperature must be a number >= 0, got {self.temperature!r}"
-        if bad_number(self.top_p) or not 0 < self.top_p <= 1:
-            return f"top_p must be in (0, 1], got {self.top_p!r}"
-        if bad_int(self.top_k) or self.top_k < 0:
-            return f"top_k must be an integer >= 0, got {self.top_k!r}"
-        if bad_int(self.seed):
-            return f"seed must be an integer, got {self.seed!r}"
+    def _stop_problem(self) -> str | None:
         if not all(isinstance(s, str) and s for s in self.stop):
-            return f"stop must be a list of non-empty strings, got {list(self.stop)!r}"
-        if bad_int(self.n) or not 1 <= self.n <= MAX_N:
-            return f"n must be an integer in 1..{MAX_N}, got {self.n!r}"
-        if bad_int(self.logprobs) or not 0 <= self.logprobs <= MAX_LOGPROBS:
-            return f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r}"
-        return self._constraint_problem()
+            return f"stop must be a list of non-empty strings, got {list(self.stop)!r:.80}"
+        why = stop_problem(self.stop)
+        return f"stop: {why}" if why else None
+
+    def _count_problem(self) -> str | None:
+        if not _int_in(self.n, 1, MAX_N):
+            return f"n must be an integer in 1..{MAX_N}, got {self.n!r:.80}"
+        if not _int_in(self.logprobs, 0, MAX_LOGPROBS):
+            return f"logprobs must be an integer in 0..{MAX_LOGPROBS}, got {self.logprobs!r:.80}"
+        return None
 
     def _constraint_problem(self) -> str | None:
         given = [name for name in CONSTRAINTS if getattr(self, name) is not None]

@@ -5,7 +5,9 @@ against SDPA in test_reference_attention.py and against transformers in test_cpu
 
 from __future__ import annotations
 
+import os
 import shutil
+import stat
 import subprocess
 import sys
 from pathlib import Path
@@ -16,6 +18,7 @@ import torch
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu import build as cpu_build
 from kernels.cpu import decode as cpu_decode
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
@@ -33,6 +36,7 @@ def fresh_load(monkeypatch, tmp_path):
     yield tmp_path
     for load in LOADERS:
         load.cache_clear()
+    cpu_build._said.clear()
 
 
 def cache() -> PagedAttention:
@@ -92,3 +96,82 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
                          check=True, cwd=Path(__file__).resolve().parents[1])
     assert out.stdout.split() == ["True", "True"]
+
+
+# -- the cache holds code: private, checked before loading ---------------------------------------
+
+_PLANTED = r"""
+#include <stdio.h>
+#include <stdlib.h>
+__attribute__((constructor)) static void planted(void) {
+    FILE *f = fopen(getenv("BATCHLLM_PLANTED"), "w");
+    if (f) { fputs("ran", f); fclose(f); }
+}
+"""
+
+
+def _plant(path: Path) -> None:
+    """A library that, once loaded, writes the file $BATCHLLM_PLANTED (as a planted one would
+    run its code as the job)."""
+    source = path.with_name("planted.c")
+    source.write_text(_PLANTED)
+    subprocess.run(["cc", "-shared", "-fPIC", str(source), "-o", str(path)], check=True)
+    source.unlink()
+    os.chmod(path, 0o777)
+
+
+def _reload() -> None:
+    for load in LOADERS:
+        load.cache_clear()
+    cpu_build._said.clear()
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_a_planted_library_is_never_loaded(fresh_load, monkeypatch, capsys):
+    """A library planted under the exact name a build would take: in a world-writable shared
+    cache it is not loaded (nothing is: the torch path runs, said once for all libraries); in
+    this user's own cache, writable by others, it is built over before loading."""
+    assert cpu_ops.load() is not None  # a build in a private cache: the library's name
+    own = fresh_load / "kernels"
+    assert stat.S_IMODE(own.stat().st_mode) == 0o700
+    name = next(own.glob("cpu_ops-*.so")).name
+    marker = fresh_load / "planted-ran"
+    monkeypatch.setenv("BATCHLLM_PLANTED", str(marker))
+    shared = fresh_load / "shared"
+    (shared / "kernels").mkdir(parents=True)
+    for folder in (shared, shared / "kernels"):
+        os.chmod(folder, 0o777)
+    _plant(shared / "kernels" / name)
+    monkeypatch.setenv("BATCHLLM_CACHE", str(shared))
+    _reload()
+    capsys.readouterr()
+    assert cpu_ops.load() is None and cpu_decode.load() is None
+    assert not marker.exists()
+    err = capsys.readouterr().err
+    assert err.count("the C kernels are not built or loaded") == 1, err
+    assert "writable by others" in err and "torch path runs" in err
+    # this user's private cache, a library in it made writable by others: built again over it
+    monkeypatch.setenv("BATCHLLM_CACHE", str(fresh_load))
+    _plant(own / name)
+    _reload()
+    assert cpu_ops.load() is not None and not marker.exists()
+    assert stat.S_IMODE((own / name).stat().st_mode) == 0o700
+
+
+def test_with_nowhere_safe_to_build_the_torch_path_runs(fresh_load, monkeypatch, capsys):
+    monkeypatch.setenv("BATCHLLM_CACHE", "/proc/no-such-cache")  # cannot be created
+    _reload()
+    assert all(load() is None for load in LOADERS)
+    err = capsys.readouterr().err
+    assert err.count("batchllm: the C kernels are not built or loaded: no cache folder") == 1
+    assert cache().ops.pointwise is TORCH_OPS
+
+
+@pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+def test_without_torchs_openmp_the_kernels_build_on_one_thread_and_say_so(
+        fresh_load, monkeypatch, capsys):
+    monkeypatch.setattr(cpu_build, "_torch_omp", lambda: None)
+    _reload()
+    assert cpu_ops.load() is not None and cpu_decode.load() is not None
+    err = capsys.readouterr().err
+    assert err.count("without OpenMP and run on one thread") == 1, err

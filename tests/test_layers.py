@@ -15,7 +15,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top to bottom. A module may import its own layer and any layer below it, never one above.
 LAYERS: list[tuple[str, ...]] = [
     ("batchllm", "batchllm.cli"),  # the package's lazy exports and the command line
-    ("batchllm.job", "batchllm.plan_report", "batchllm.collector"),  # `batchllm run` / `plan`
+    ("batchllm.job", "batchllm.resume", "batchllm.plan_report", "batchllm.collector"),  # run, plan
     ("batchllm.scale",),  # many workers: Ray
     ("batchllm.llm", "batchllm.progress"),  # the Python API; the progress line of a run
     ("batchllm.engine",),  # runtime, step loop, scheduler, pages, sampler
@@ -24,6 +24,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchllm.plan",),  # prefix tree, planner, shards (numpy only)
     ("batchllm.rows",),  # rows in and out (pyarrow)
     ("batchllm.config", "batchllm.sampling_params"),  # the job file; sampling settings
+    ("kernels.atomic_write",),  # the one write-then-rename helper: imports nothing of ours
 ]
 
 

@@ -21,8 +21,8 @@ from batchllm import LLM, SamplingParams
 from batchllm.config import ConfigError, load_job
 from batchllm.engine.runtime import Runtime
 from batchllm.job import run_job
+from batchllm.resume import job_fingerprint
 from batchllm.rows.build import build_rows
-from batchllm.rows.fingerprint import fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.samples import done_keys
 from batchllm.rows.writer import CheckpointWriter
@@ -143,7 +143,8 @@ def test_job_output_lines_per_sample_and_resume_per_sample(tmp_path) -> None:
     part_job = tiny_job(tmp_path, "part", "samples", texts, sampling, engine)
     cfg = load_job(part_job)
     source = read_input(cfg.input)
-    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, source.files), flush_rows=10**6)
+    writer = CheckpointWriter(cfg.output.path, job_fingerprint(cfg, source.files),
+                              flush_rows=10**6)
     runtime = Runtime.from_config(cfg)
     rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source)
     keep = {(0, 0), (0, 2), (1, 0), (1, 1), (1, 2), (4, 1)}

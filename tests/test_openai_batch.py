@@ -58,7 +58,7 @@ def test_lines_map_onto_rows_and_sampling():
     b = parse_batch([("batch.jsonl", _batch_file())], SAMPLING_FIELDS)
     assert len(b.ids) == 20 and b.ids[5] == "line-6" and b.ids[15] == "hot"
     assert b.errors[5].startswith("line 6: not valid JSON")
-    assert b.errors[15] == "line 16: body.temperature: expected a number >= 0, got 'hot'"
+    assert b.errors[15] == "line 16: body.temperature: expected a number in 0..2, got 'hot'"
     assert b.messages[0] == [{"role": "system", "content": "Answer in one word."},
                              {"role": "user", "content": "Does clause 0 allow termination?"}]
     assert b.messages[1] == [{"role": "user", "content": "Clause 1:\nwho pays?"}]
@@ -87,7 +87,7 @@ def test_lines_map_onto_rows_and_sampling():
       "body": {"messages": [{"role": "user", "content": "x"}], "tools": []}},
      "body.tools: not supported by batchllm"),
     ({"custom_id": "a", "method": "POST", "url": COMPLETIONS,
-      "body": {"prompt": "x", "max_tokens": 0}}, "body.max_tokens: expected an integer >= 1"),
+      "body": {"prompt": "x", "max_tokens": 0}}, "body.max_tokens: expected an integer in 1..2147483647"),
     ({"custom_id": "", "method": "POST", "url": COMPLETIONS, "body": {"prompt": "x"}},
      "custom_id: expected a non-empty string"),
     ([1, 2], "line: expected a JSON object"),
@@ -182,7 +182,7 @@ def test_batch_file_round_trips_through_a_job(tmp_path: Path):
     expected_errors = {"line-6", "hot"} | (set() if "json_schema" in SAMPLING_FIELDS
                                            else {"structured"})
     assert set(errors) == expected_errors
-    assert errors["hot"] == "line 16: body.temperature: expected a number >= 0, got 'hot'"
+    assert errors["hot"] == "line 16: body.temperature: expected a number in 0..2, got 'hot'"
     assert errors["line-6"].startswith("line 6: not valid JSON")
     for r in results:
         if r["error"]:

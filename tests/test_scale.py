@@ -1,12 +1,17 @@
 """Scale-out on a local Ray instance with 2 CPU workers and a tiny model: the sharded output
 equals the single-process output row for row; each worker's measured prefill equals its shard's
-prediction; no row runs twice; a worker killed mid-shard is restarted with its unflushed rows."""
+prediction; no row runs twice; a worker killed mid-shard is restarted with its unflushed rows, a
+stalled one replaced (engine.worker_timeout); SIGTERM has every worker flush and prints the
+resume command."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -21,13 +26,16 @@ from batchllm.config import ConfigError, load_job
 from batchllm.job import run_job
 from batchllm.model.tokenizer import load_tokenizer
 from batchllm.plan_report import plan_job
-from batchllm.rows.fingerprint import fingerprint
+from batchllm.resume import job_fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import actor_name
 
 ray = pytest.importorskip("ray")
+
+BATCHLLM = str(Path(sys.executable).parent / "batchllm")
+HELD_WORKERS = Path(__file__).with_name("held_workers")  # its sitecustomize holds the workers
 
 ROWS = 64
 PROMPTS = [f"Contract {i % 5}: the parties agree to clause {i % 3}. Question {i}?"
@@ -205,7 +213,8 @@ def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
     job = make_job(tmp_path, "resume", workers=2)
     cfg = load_job(str(job), ["output.mode=resume"])
     done = list(range(0, ROWS, 3))
-    writer = CheckpointWriter(cfg.output.path, fingerprint(cfg, read_input(cfg.input).files))
+    writer = CheckpointWriter(cfg.output.path,
+                              job_fingerprint(cfg, read_input(cfg.input).files))
     for i in done:
         writer.add(output_row(i, single.slice(i, 1).to_pylist()[0]))
     writer.flush()
@@ -215,3 +224,62 @@ def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
     assert sum(w["rows"] for w in metrics["per_worker"]) == ROWS - len(done)
     for w in metrics["per_worker"]:
         assert w["prefill_tokens"] == w["predicted_prefill_tokens"], w
+
+
+def test_a_stalled_worker_is_replaced_and_its_rows_rerun(tmp_path, single, local_ray,
+                                                         monkeypatch):
+    """Worker 1 stopped (SIGSTOP) once it has flushed a part: with engine.worker_timeout 8 s it
+    is killed and replaced; the job finishes with the single process's file."""
+    monkeypatch.setenv("BATCHLLM_CHECKPOINT_ROWS", "2")
+    job = make_job(tmp_path, "stall", workers=2)
+    out = tmp_path / "stall" / "out.parquet"
+    sets = ["engine.worker_timeout=8"]
+    result: dict = {}
+    thread = threading.Thread(target=lambda: result.update(run_job(str(job), sets,
+                                                                   progress=False)))
+    thread.start()
+    while not list(Path(f"{out}.parts").glob("part-*-w1.parquet")):
+        assert thread.is_alive(), "the job ended before worker 1 wrote a part"
+        time.sleep(0.01)
+    victim = ray.get(ray.get_actor(actor_name(load_job(str(job), sets), 1)).pid.remote())
+    os.kill(victim, signal.SIGSTOP)
+    try:
+        thread.join(timeout=600)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(victim, signal.SIGKILL)
+    assert result, "the job did not finish"
+    assert pq.read_table(out).equals(single)
+    assert result["worker_timeouts"] == 1 and result["worker_restarts"] == 1
+    assert result["per_worker"][1]["timeouts"] == 1
+    assert sum(w["rows"] for w in result["per_worker"]) + result["rows_recovered"] == ROWS
+
+
+def test_sigterm_flushes_every_worker_and_says_how_to_resume(tmp_path, single):
+    """`batchllm run` of two workers (its own Ray on loopback); each worker held with one row
+    finished after its first part of two: SIGTERM to the driver has both flush that row,
+    exits 1 with the resume command; the resumed run gives the single process's file."""
+    job = make_job(tmp_path, "term", workers=2)
+    out = tmp_path / "term" / "out.parquet"
+    flags = tmp_path / "held"
+    flags.mkdir()
+    env = dict(os.environ, BATCHLLM_CHECKPOINT_ROWS="2", RAY_AUTH_MODE="disabled",
+               BATCHLLM_TEST_HOLD=str(flags),
+               PYTHONPATH=os.pathsep.join([str(HELD_WORKERS), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.Popen([BATCHLLM, "run", str(job), "--quiet"], env=env, text=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    while len(list(flags.iterdir())) < 2:  # both workers held
+        assert proc.poll() is None, proc.communicate()
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, err = proc.communicate(timeout=300)
+    assert proc.returncode == 1, err
+    assert "SIGTERM" in err and "--set output.mode=resume" in err
+    parts = sorted(Path(f"{out}.parts").glob("part-*.parquet"))
+    assert sum(pq.read_metadata(p).num_rows for p in parts) == 2 * 3  # 2 flushed + 1 each
+    assert not out.exists()
+    resumed = subprocess.run([BATCHLLM, "run", str(job), "--quiet", "--set",
+                              "output.mode=resume"], env={**env, "BATCHLLM_TEST_HOLD": ""},
+                             capture_output=True, text=True, timeout=600, check=False)
+    assert resumed.returncode == 0, resumed.stderr
+    assert pq.read_table(out).equals(single)

@@ -9,10 +9,11 @@ import pyarrow.parquet as pq
 import pytest
 
 from batchllm.config import ConfigError
-from batchllm.rows import writer as writer_module
+from batchllm.rows.lock import OutputLock
 from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter, output_schema, write_metrics
 from batchllm.sampling_params import SamplingParams
+from kernels import atomic_write
 
 FP = {"job": "legal", "model": "smollm2-135m-instruct", "sampling": {"max_tokens": 8}}
 
@@ -107,7 +108,9 @@ def test_final_schema_and_metadata(tmp_path):
         "id:int64", "completion:string", "finish_reason:string", "prompt_tokens:int32",
         "completion_tokens:int32", "cached_tokens:int32", "error:string", "prompt:string",
         "token_ids:list<element: int32>"]
-    assert table.schema.metadata == {b"job": b"legal", b"model": b"m"}
+    stamp = json.dumps(FP, sort_keys=True).encode()  # the job's fingerprint
+    assert table.schema.metadata == {b"job": b"legal", b"model": b"m",
+                                     b"batchllm.fingerprint": stamp}
     assert table.column("token_ids").to_pylist() == [[0, 1], [1, 2]]
     assert table.column("prompt_tokens").to_pylist() == [10, 11]
 
@@ -141,20 +144,56 @@ def test_final_file_written_to_temp_then_renamed(tmp_path, monkeypatch):
     real_replace = os.replace
 
     def spy(src, dst):
-        # at the moment of the rename the complete file sits under the temporary name and the
-        # old output is still intact
+        # at the moment of the rename the complete file sits under a fresh temporary name beside
+        # the output, and the old output is still intact
         if str(dst) == str(out):
             assert pq.read_table(src).num_rows == 2 and out.read_bytes() == b"previous run"
         replaced.append((str(src), str(dst)))
         real_replace(src, dst)
 
-    monkeypatch.setattr(writer_module.os, "replace", spy)
+    monkeypatch.setattr(atomic_write.os, "replace", spy)
     w = CheckpointWriter(out, FP)
     w.add(_row(1))
     w.add(_row(0))
     w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=2)
-    assert (f"{out}.tmp", str(out)) in replaced
+    temps = [src for src, dst in replaced if dst == str(out)]
+    assert len(temps) == 1 and os.path.basename(temps[0]).startswith(".o.parquet.tmp-")
+    assert os.path.dirname(temps[0]) == str(tmp_path)
     assert sorted(os.listdir(tmp_path)) == ["o.parquet"]  # no temp left, parts removed
+
+
+@pytest.mark.parametrize("planted", ["o.parquet.tmp", "o.parquet.lock"])
+def test_a_planted_symlink_does_not_redirect_a_write(tmp_path, planted):
+    """A symlink planted under the old fixed temporary name, or the lock's name, in the output
+    folder: the write goes to the output (the symlink's target is untouched), the lock is
+    refused rather than followed."""
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious")
+    (tmp_path / planted).symlink_to(victim)
+    out = tmp_path / "o.parquet"
+    if planted.endswith(".lock"):
+        with pytest.raises(OSError):
+            OutputLock(str(out)).acquire()
+    else:
+        w = CheckpointWriter(out, FP)
+        w.add(_row(0))
+        w.finalize(pa.string(), {}, include_prompt=False, include_token_ids=False, num_rows=1)
+        assert pq.read_table(out).num_rows == 1
+    assert victim.read_text() == "precious" and (tmp_path / planted).is_symlink()
+
+
+def test_parts_of_this_job_with_other_numerics_refuse_the_resume(tmp_path):
+    """A part with this job's identity but other numerics (here: the dtype) is not moved aside
+    and rerun: the resume is refused, naming what changed."""
+    ours = {**FP, "numerics": {"dtype": "float32", "device": "cpu", "model": [["a", 1, 2]]}}
+    w = CheckpointWriter(tmp_path / "o.parquet", ours)
+    w.add(_row(0))
+    w.flush()
+    changed = {**ours, "numerics": {**ours["numerics"], "dtype": "bfloat16"}}
+    with pytest.raises(ConfigError, match=r"other numerics \(dtype: 'float32' then, 'bfloat16' "
+                       r"now\).*output.mode: overwrite"):
+        CheckpointWriter(tmp_path / "o.parquet", changed).done_rows()
+    assert w.has_checkpoint() and not os.path.exists(f"{tmp_path}/o.parquet.discarded")
 
 
 def test_write_metrics(tmp_path):

@@ -9,6 +9,8 @@ import os
 import re
 from typing import Any
 
+from batchllm.config.limits import MAX_DEPTH, stop_problem, too_deep, value_too_deep
+
 
 class Bad(Exception):
     """Raised by a field check; the caller adds the field path."""
@@ -103,6 +105,9 @@ def stop(v: Any) -> tuple[str, ...]:
     if not isinstance(v, (list, tuple)) or not all(
             isinstance(s, str) and s for s in v):
         raise Bad(f"expected a list of non-empty strings, got {show(v)}")
+    why = stop_problem(v)
+    if why:
+        raise Bad(f"expected {why}")
     return tuple(v)
 
 
@@ -166,10 +171,15 @@ def json_schema(v: Any) -> str | None:
     else:
         where = "the value"
     if isinstance(v, str):
+        deep = too_deep(v)
+        if deep:
+            raise Bad(f"{where} is {deep}")
         try:
             v = json.loads(v)
         except ValueError as e:
             raise Bad(f"{where} is not valid JSON: {e}") from None
+    elif value_too_deep(v):
+        raise Bad(f"the value is nested more than {MAX_DEPTH} levels deep")
     if not isinstance(v, (dict, bool)):
         raise Bad(f"expected a JSON schema (an object), got {show(v)}")
     return json.dumps(v, ensure_ascii=False)  # key order kept: it is the generation order

@@ -1,19 +1,53 @@
-"""When a row stops, and the text it returns."""
+"""When a row stops, and the text it returns.
+
+Stop strings are matched on the newly decoded text only. Each row with stop strings keeps an
+incremental decoder (vLLM's detokenize_incrementally): the tokens from `prefix` on are decoded
+each step, and the text past that of the tokens from `prefix` to `read` is the new text; then
+`prefix` moves to `read` and `read` to the end. New text that ends inside a character (byte-level
+tokens; it then ends in U+FFFD) is searched but decoded again with the next token, up to
+_MAX_WAIT tokens. A stop string found this step must end in the new text, so it lies within the
+new text and the longest stop string's length minus one characters before it: that is all a
+step searches, whatever the output's length (config.limits caps stop strings at MAX_STOP of
+MAX_STOP_CHARS characters). The text so far is the emitted pieces, joined once, at a stop.
+"""
 
 from __future__ import annotations
 
+import weakref
+from dataclasses import dataclass, field
+
 from batchllm.engine.request import Sequence
+
+_MAX_WAIT = 16  # tokens decoded again while the text ends inside a character, at most
+
+
+@dataclass(eq=False)
+class _Scan:
+    """One row's incremental decoding: output tokens [prefix, read) were decoded last step and
+    gave the text already emitted; `tail` is the end of that text (longest stop - 1 chars)."""
+
+    prefix: int = 0
+    read: int = 0
+    emitted: int = 0  # characters of text emitted so far
+    pieces: list[str] = field(default_factory=list)
+    tail: str = ""
 
 
 class StopChecker:
     """Decides after each new token whether a row is finished: end of sequence, a stop string
     (found in the decoded text, so also across token boundaries; the stop string and what
-    follows are not returned), max_tokens, or the model's length limit."""
+    follows are not returned), max_tokens, or the model's length limit.
+
+    scanned_chars / decoded_tokens: what the last check of a row with stop strings searched
+    and decoded (bounded per step; tests and benchmarks read them)."""
 
     def __init__(self, tokenizer, eos_ids: set[int], max_model_len: int) -> None:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
+        self._scans: dict[int, tuple[weakref.ref, _Scan]] = {}  # id(seq) -> its scan
+        self.scanned_chars = 0
+        self.decoded_tokens = 0
 
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -32,10 +66,9 @@ class StopChecker:
             seq.finish_reason = "stop"
             return True
         if sp.stop:
-            text = self.decode(out)
-            hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
-            if hits:
-                seq.text = text[: min(hits)]
+            text = self._stop_text(seq, out)
+            if text is not None:
+                seq.text = text
                 seq.finish_reason = "stop"
                 return True
         if len(out) >= sp.max_tokens or seq.total >= self.max_model_len:
@@ -44,4 +77,44 @@ class StopChecker:
         return False
 
     def final_text(self, seq: Sequence) -> str:
+        self._scans.pop(id(seq), None)
         return seq.text if seq.text is not None else self.decode(seq.output_ids)
+
+    def _scan(self, seq: Sequence, out: list[int]) -> _Scan:
+        key = id(seq)
+        hit = self._scans.get(key)
+        if hit is not None and hit[0]() is seq and hit[1].read <= len(out):
+            return hit[1]
+        scan = _Scan()  # a sequence seen first (or its output replaced): decoded from the start
+        self._scans[key] = (weakref.ref(seq, lambda _, k=key: self._scans.pop(k, None)), scan)
+        return scan
+
+    def _stop_text(self, seq: Sequence, out: list[int]) -> str | None:
+        """The row's text before the first stop string, when one ends in this step's new text;
+        else None."""
+        scan = self._scan(seq, out)
+        new, done = self._new_text(scan, out)
+        window = scan.tail + new
+        self.scanned_chars = len(window)
+        hits = [i for i in (window.find(s) for s in seq.sampling.stop) if i >= 0]
+        if hits:
+            cut = scan.emitted - len(scan.tail) + min(hits)  # in the row's whole text
+            return ("".join(scan.pieces) + new)[:cut]
+        if done:  # else the same tokens are decoded again with the next one
+            longest = max(map(len, seq.sampling.stop))
+            scan.pieces.append(new)
+            scan.emitted += len(new)
+            scan.tail = window[max(len(window) - longest + 1, 0):]
+        return None
+
+    def _new_text(self, scan: _Scan, out: list[int]) -> tuple[str, bool]:
+        """(the text that out[scan.read:] adds, whether it is final: the scan advances past
+        those tokens). Not final while it ends inside a character, for up to _MAX_WAIT tokens."""
+        before = self.decode(out[scan.prefix : scan.read]) if scan.read > scan.prefix else ""
+        text = self.decode(out[scan.prefix :])
+        self.decoded_tokens = 2 * (scan.read - scan.prefix) + len(out) - scan.read
+        new = text[len(before):]
+        if (not new or new.endswith("\ufffd")) and len(out) - scan.read < _MAX_WAIT:
+            return new, False
+        scan.prefix, scan.read = scan.read, len(out)
+        return new, True

@@ -1,8 +1,14 @@
 """Which rows can run: the one admission rule of a job, used by the run, `batchllm plan` and both
-sharding modes, so that what is predicted and what runs are the same rows."""
+sharding modes, so that what is predicted and what runs are the same rows.
+
+A row's max_tokens is capped at what the model leaves after its prompt (max_model_len minus the
+prompt's tokens), as vLLM does: the row would stop there anyway, with finish_reason `length`,
+and the plan then counts the tokens the row can really generate.
+"""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Iterable
 
 from batchllm.rows.record import Row
@@ -25,10 +31,18 @@ def problem(row: Row, max_model_len: int) -> str | None:
 
 
 def admit(rows: Iterable[Row], max_model_len: int) -> list[Row]:
-    """The rows that can run, in their order; every other row is failed with its reason."""
+    """The rows that can run, in their order, their max_tokens capped at the model's room;
+    every other row is failed with its reason. The row's guard: whatever a check raises is
+    that row's error (with the exception's message), never the job's."""
     admitted = []
     for row in rows:
-        why = problem(row, max_model_len)
+        try:
+            why = problem(row, max_model_len)
+            room = max_model_len - row.prompt_tokens
+            if why is None and row.sampling.max_tokens > room:
+                row.sampling = dataclasses.replace(row.sampling, max_tokens=room)
+        except Exception as e:  # noqa: BLE001 - the guard of one row
+            why = f"{type(e).__name__}: {e}"
         if why is None:
             admitted.append(row)
         else:

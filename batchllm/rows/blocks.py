@@ -13,6 +13,7 @@ import pyarrow.parquet as pq
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
+from batchllm.rows.json_lines import lines
 from batchllm.rows.reader import (
     InputRows,
     _check_schema,
@@ -56,7 +57,7 @@ def count_rows(cfg: InputConfig) -> int:
     """The number of input rows (of Parquet files, from their footers)."""
     if cfg.format == "openai-batch":
         return sum(1 for f in input_files(cfg.path, cfg.format)
-                   for line in storage.open_bytes(f).read().splitlines() if line.strip())
+                   for line in lines(f) if line.strip())
     return sum(row_count(f, cfg.format) for f in input_files(cfg.path, cfg.format))
 
 
@@ -84,7 +85,7 @@ def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS,
         if text not in schema.names:
             raise _missing(field, text, file, schema.names)
         _check_schema(schema, cfg, sampling_fields)
-        tables.append(_read(file, cfg, [cfg.id_column]))
+        tables.append(_read(file, cfg, [cfg.id_column])[0])
         group: list[int] = []
         rows = 0
         for g in range(meta.num_row_groups):
@@ -101,9 +102,9 @@ def read_index(cfg: InputConfig, block_rows: int = BLOCK_ROWS,
 def read_block(cfg: InputConfig, block: InputBlock,
                sampling_fields: tuple[str, ...] = SAMPLING_FIELDS) -> InputRows:
     """The rows of one block (ids: the id column, or row indices over all files)."""
-    table = _read_file(block.file, cfg, sampling_fields, list(block.row_groups))
+    table, bad = _read_file(block.file, cfg, sampling_fields, list(block.row_groups))
     if cfg.id_column and cfg.id_column in table.column_names:
         ids = _plain(table.column(cfg.id_column).combine_chunks())
     else:
         ids = pa.array(range(block.first_row, block.first_row + table.num_rows), pa.int64())
-    return _rows(table, ids, cfg, (block.file,), sampling_fields)
+    return _rows(table, ids, cfg, (block.file,), sampling_fields, bad)

@@ -1,12 +1,14 @@
 """Input rows -> Row records: the prompt rendered and tokenized, sampling with per-row overrides.
 
 A row that cannot run (a null prompt, bad messages, a per-row value out of range) is kept with
-the reason, so that it becomes an error row and the job goes on.
+the reason, so that it becomes an error row and the job goes on. Each row is guarded: whatever
+its text, template, tokenizer or settings raise is that row's error, never the job's.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from batchllm.config import InputConfig, SamplingConfig
 from batchllm.rows.prompts import conversation, render_chats, tokenize
@@ -14,7 +16,7 @@ from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
 from batchllm.sampling_params import CONSTRAINTS, SamplingParams
 
-_RENDER_BATCH = 1024  # conversations rendered per call of the chat template
+_BATCH = 1024  # conversations rendered, or texts tokenized, per call
 
 
 def row_sampling(defaults: SamplingConfig, overrides: dict[str, list], i: int) -> SamplingParams:
@@ -38,48 +40,58 @@ def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
     convs: dict[int, list[dict]] = {}
     plain: dict[int, str] = {}
     for i in range(rows.num_rows):
-        if i in rows.errors:  # found invalid when read (an OpenAI Batch line)
+        if i in rows.errors:  # found invalid when read (an OpenAI Batch line, a bad cell)
             errors[i] = rows.errors[i]
             continue
-        if rows.messages is not None and (rows.prompts is None or rows.messages[i] is not None):
-            msgs = rows.messages[i]
-            if not msgs:
-                errors[i] = f"input.{cfg.messages_column}: the messages are null or empty"
-                continue
-            if cfg.system_prompt and msgs[0].get("role") != "system":
-                msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
-            convs[i] = msgs
-            continue
-        prompt = rows.prompts[i]
-        if prompt is None:
-            errors[i] = f"input.{cfg.prompt_column}: the prompt is null"
-        elif not prompt.strip():
-            errors[i] = f"input.{cfg.prompt_column}: the prompt is empty"
-        elif cfg.chat_template and not rows.prompts_as_is:
-            convs[i] = conversation(prompt, cfg.system_prompt)
-        else:
-            plain[i] = prompt
+        try:
+            _text(cfg, rows, i, plain, convs, errors)
+        except Exception as e:  # noqa: BLE001 - the guard of one row
+            errors[i] = f"input: {type(e).__name__}: {e}"
     return plain, convs, errors
 
 
-def _render(tokenizer, convs: dict[int, list[dict]], errors: dict[int, str]) -> dict[int, str]:
-    """Each conversation through the chat template; a row the template fails on gets an error."""
-    text: dict[int, str] = {}
-    order = list(convs)
-    for lo in range(0, len(order), _RENDER_BATCH):
-        chunk = order[lo : lo + _RENDER_BATCH]
+def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
+          errors: dict) -> None:
+    if rows.messages is not None and (rows.prompts is None or rows.messages[i] is not None):
+        msgs = rows.messages[i]
+        if not msgs:
+            errors[i] = f"input.{cfg.messages_column}: the messages are null or empty"
+            return
+        if cfg.system_prompt and msgs[0].get("role") != "system":
+            msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
+        convs[i] = msgs
+        return
+    prompt = rows.prompts[i]
+    if prompt is None:
+        errors[i] = f"input.{cfg.prompt_column}: the prompt is null"
+    elif not prompt.strip():
+        errors[i] = f"input.{cfg.prompt_column}: the prompt is empty"
+    elif cfg.chat_template and not rows.prompts_as_is:
+        convs[i] = conversation(prompt, cfg.system_prompt)
+    else:
+        plain[i] = prompt
+
+
+def _batched(fn: Callable[[list], list], items: dict[int, object], errors: dict[int, str],
+             what: str) -> dict[int, object]:
+    """fn over the items, _BATCH at a time; a batch it fails on is done again row by row, and a
+    row it fails on gets `what` and the exception's message as its error."""
+    out: dict[int, object] = {}
+    order = list(items)
+    for lo in range(0, len(order), _BATCH):
+        chunk = order[lo : lo + _BATCH]
         try:
-            rendered = render_chats(tokenizer, [convs[i] for i in chunk])
-        except Exception:  # noqa: BLE001 - one bad conversation: find it row by row
-            rendered = []
+            results = fn([items[i] for i in chunk])
+        except Exception:  # noqa: BLE001 - one bad row: find it row by row
+            results = []
             for i in chunk:
                 try:
-                    rendered += render_chats(tokenizer, [convs[i]])
-                except Exception as e:  # noqa: BLE001 - templates raise anything
-                    errors[i] = f"input: the chat template failed on this row: {e}"
-                    rendered.append(None)
-        text.update((i, t) for i, t in zip(chunk, rendered) if t is not None)
-    return text
+                    results += fn([items[i]])
+                except Exception as e:  # noqa: BLE001 - templates and tokenizers raise anything
+                    errors[i] = f"{what}: {e}"
+                    results.append(None)
+        out.update((i, r) for i, r in zip(chunk, results) if r is not None)
+    return out
 
 
 def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
@@ -87,18 +99,21 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
     """One Row per input row, in order; rows[i] gets index first_index + i (a block of a larger
     input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
     plain, convs, errors = _texts(cfg, rows)
-    rendered = _render(tokenizer, convs, errors)
+    rendered = _batched(lambda c: render_chats(tokenizer, c), convs, errors,
+                        "input: the chat template failed on this row")
     text = {**plain, **rendered}
     # special tokens (BOS) are added to plain prompts; a chat template writes its own
-    ids = {**dict(zip(plain, tokenize(tokenizer, plain.values(), True))),
-           **dict(zip(rendered, tokenize(tokenizer, rendered.values(), False)))}
+    failed = "input: the tokenizer failed on this row"
+    ids = {**_batched(lambda t: tokenize(tokenizer, t, True), plain, errors, failed),
+           **_batched(lambda t: tokenize(tokenizer, t, False), rendered, errors, failed)}
     row_ids = rows.ids.to_pylist()
     out = []
     for i in range(rows.num_rows):
         try:
             sp = row_sampling(sampling, rows.overrides, i)
-        except (TypeError, ValueError) as e:
-            sp, errors[i] = SamplingParams(), f"sampling override: {e}"
+        except Exception as e:  # noqa: BLE001 - the guard of one row
+            sp = SamplingParams()
+            errors.setdefault(i, f"sampling override: {e}")
         out.append(Row(first_index + i, row_ids[i], ids.get(i), sp,
                        text.get(i) if keep_prompt else None, errors.get(i)))
     return out

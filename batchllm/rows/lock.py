@@ -7,10 +7,14 @@ holder releases it. Acquiring checks, after flock succeeds, that the path still 
 locked: a holder that removed the file just before (its release) would otherwise let two runs lock
 two different files.
 
+The lock file is opened with O_NOFOLLOW and must be a regular file: a symlink or a FIFO planted
+under its name in a shared output folder is refused (OSError), never followed. Its holder's
+command is recorded with the credentials of any URI in it redacted (storage.redact).
+
 Not covered: file systems whose locks do not reach other machines (NFS without lockd, some FUSE
 and SMB mounts). Object storage has no lock at all: for an s3:// (gs://, ...) output the lock is
-taken on a local file named after the output (in $BATCHLLM_CACHE or ~/.cache/batchllm/locks), so
-it stops a second run on the same machine only (`local_only`).
+taken on a local file named after the output (in $BATCHLLM_CACHE or ~/.cache/batchllm/locks, a
+folder made 0700), so it stops a second run on the same machine only (`local_only`).
 """
 
 from __future__ import annotations
@@ -20,6 +24,7 @@ import hashlib
 import json
 import os
 import socket
+import stat
 import sys
 import time
 from dataclasses import dataclass
@@ -69,7 +74,8 @@ def _read_holder(path: str, tries: int = 20) -> Holder:
     given a moment (it writes right after flock)."""
     for _ in range(tries):
         try:
-            with open(path) as f:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            with os.fdopen(fd) as f:
                 d = json.loads(f.read())
             return Holder(int(d["pid"]), str(d["host"]), str(d["started"]), str(d["command"]))
         except (OSError, ValueError, KeyError, TypeError):
@@ -87,16 +93,23 @@ class OutputLock:
         self._fd: int | None = None
 
     def acquire(self) -> Self:
-        os.makedirs(os.path.dirname(self.path), exist_ok=True)
+        """Take the lock; OutputLocked when another run holds it, OSError when the lock file
+        cannot be created or is not a regular file (a planted symlink: ELOOP)."""
+        os.makedirs(os.path.dirname(self.path), mode=0o700 if self.local_only else 0o777,
+                    exist_ok=True)
         while True:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)  # not inherited (PEP 446)
+            # not inherited (PEP 446); a symlink is never followed
+            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK, 0o644)
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                os.close(fd)
+                raise OSError(f"{self.path} is not a regular file")
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 os.close(fd)
                 raise OutputLocked(self.output, self.path, _read_holder(self.path)) from None
             try:
-                same = os.path.samestat(os.fstat(fd), os.stat(self.path))
+                same = os.path.samestat(os.fstat(fd), os.lstat(self.path))
             except FileNotFoundError:
                 same = False
             if same:
@@ -104,7 +117,7 @@ class OutputLock:
             os.close(fd)  # the previous holder removed the file as we opened it: again
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "command": " ".join(sys.argv)}
+                  "command": storage.redact(" ".join(sys.argv))}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd

@@ -9,8 +9,12 @@ json_object). A field a line leaves out takes the job's default (sampling.*), no
 job's temperature is 0 unless the job sets it.
 
 A line that is not valid becomes an error row whose error names the line and the field
-("line 7: body.temperature: expected a number >= 0, got 'hot'"); the job goes on. A line with no
-usable custom_id (missing, or one an earlier line took) gets the id "line-N".
+("line 7: body.temperature: expected a number in 0..2, got 'hot'"); the job goes on. That covers
+text that is not valid UTF-8 (or a lone surrogate escape such as "\\ud800"), nesting deeper than
+config.limits.MAX_DEPTH (found before parsing: never a RecursionError), and numbers out of range
+(temperature in 0..2 as OpenAI's API, max_tokens up to 2**31 - 1, at most MAX_STOP stop strings).
+A line with no usable custom_id (missing, not valid text, or one an earlier line took) gets the
+id "line-N". Lines are parsed as they are read: a file is never in memory whole.
 """
 
 from __future__ import annotations
@@ -20,6 +24,10 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
+from batchllm.config.limits import stop_problem
+from batchllm.rows.json_lines import SURROGATE, load
+from batchllm.sampling_params import MAX_N, MAX_TOKENS, SEEDS
+
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 # Body fields that do not change what is generated (or only at their neutral value).
@@ -28,8 +36,6 @@ _IGNORED = {"model": None, "user": None, "metadata": None, "store": None, "servi
             "presence_penalty": 0, "parallel_tool_calls": None, "echo": False, "best_of": 1,
             "suffix": None}
 _ROLES = {"system", "user", "assistant", "developer"}
-
-
 @dataclass
 class BatchRequests:
     """The requests of a batch file, one entry per non-blank line, in file order. A row is chat
@@ -94,8 +100,8 @@ def _messages(body: dict) -> list[dict]:
         raise _Bad("body.messages", f"expected a non-empty list of messages, got {_show(msgs)}")
     out = []
     for j, m in enumerate(msgs):
-        if not isinstance(m, dict) or m.get("role") not in _ROLES:
-            role = m.get("role") if isinstance(m, dict) else m
+        role = m.get("role") if isinstance(m, dict) else m
+        if not isinstance(role, str) or role not in _ROLES:
             raise _Bad(f"body.messages[{j}].role",
                        f"expected one of {', '.join(sorted(_ROLES))}, got {_show(role)}")
         role = "system" if m["role"] == "developer" else m["role"]  # the same, for templates
@@ -119,6 +125,9 @@ def _stop(body: dict) -> tuple[str, ...] | None:
     v = [v] if isinstance(v, str) else v
     if not isinstance(v, list) or not all(isinstance(s, str) and s for s in v):
         raise _Bad("body.stop", f"expected a string or a list of strings, got {_show(v)}")
+    why = stop_problem(v)
+    if why:
+        raise _Bad("body.stop", f"expected {why}")
     return tuple(v)
 
 
@@ -150,14 +159,16 @@ def _logprobs(body: dict, chat: bool) -> int | None:
 
 def _sampling(body: dict, chat: bool) -> dict[str, Any]:
     """The body's sampling fields under batchllm's names (absent: None)."""
-    max_tokens = _int(body, "max_completion_tokens", 1) if chat else None
+    max_tokens = _int(body, "max_completion_tokens", 1, MAX_TOKENS) if chat else None
     return {
-        "max_tokens": max_tokens if max_tokens is not None else _int(body, "max_tokens", 1),
-        "temperature": _number(body, "temperature", "a number >= 0", lambda x: x >= 0),
+        "max_tokens": (max_tokens if max_tokens is not None
+                       else _int(body, "max_tokens", 1, MAX_TOKENS)),
+        # OpenAI's range (NaN, infinities and a 400-digit integer are out of it)
+        "temperature": _number(body, "temperature", "a number in 0..2", lambda x: 0 <= x <= 2),
         "top_p": _number(body, "top_p", "a number in (0, 1]", lambda x: 0 < x <= 1),
         "stop": _stop(body),
-        "seed": _int(body, "seed", -(2**63)),
-        "n": _int(body, "n", 1),
+        "seed": _int(body, "seed", *SEEDS),
+        "n": _int(body, "n", 1, MAX_N),
         "logprobs": _logprobs(body, chat),
         "json_schema": _json_schema(body),
     }
@@ -200,6 +211,8 @@ def _request(obj: Any, fields: tuple[str, ...]) -> tuple[str, Any, dict[str, Any
 
 def _unique_id(wanted: Any, taken: set[str], line: int) -> tuple[str, str | None]:
     """(the row's id, or why the line's custom_id cannot be it)."""
+    if isinstance(wanted, str) and SURROGATE.search(wanted):
+        wanted = None  # not text: the line's error says so
     if isinstance(wanted, str) and wanted and wanted not in taken:
         return wanted, None
     why = ("custom_id: expected a non-empty string" if not isinstance(wanted, str) or not wanted
@@ -223,11 +236,8 @@ def parse_batch(files: list[tuple[str, Iterable[bytes | str]]],
         for number, line in enumerate(lines, 1):
             if not line.strip():
                 continue
-            why, kind, text, sampling = None, None, None, {}
-            try:
-                obj = json.loads(line)
-            except ValueError as e:
-                obj, why = None, f"not valid JSON ({e})"
+            kind, text, sampling = None, None, {}
+            obj, why = load(line)
             wanted = obj.get("custom_id") if isinstance(obj, dict) else None
             row_id, id_problem = _unique_id(wanted, taken, number)
             taken.add(row_id)
@@ -236,6 +246,9 @@ def parse_batch(files: list[tuple[str, Iterable[bytes | str]]],
                     kind, text, sampling = _request(obj, fields)
                 except _Bad as e:
                     why = str(e)
+                except Exception as e:  # noqa: BLE001 - the line's guard: whatever the checks
+                    # above miss is this row's error, never the job's
+                    why = f"{type(e).__name__}: {e}"
             why = why or id_problem
             if why is not None:
                 out.errors[len(out.ids)] = f"{where} {number}: {why}"

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from typing import IO, Any
 
 import pyarrow as pa
@@ -84,18 +84,22 @@ def result_line(kind: str, samples: list[dict], model: str, created: int,
             "error": None}
 
 
-def write_results(table: pa.Table, f: IO[bytes], kinds: list[str] | str, model: str,
-                  created: int, text: TokenText | None = None) -> None:
-    """The final table (input order; with a `sample` column, consecutive rows of one id are its
-    samples) as results lines. kinds: per input row, or for all rows, "chat" or "completion";
-    text: a token id's text, for the log-probabilities (the `logprobs` column)."""
-    lines = table.to_pylist()
-    row, k = 0, 0
-    while k < len(lines):
-        end = k + 1
-        while end < len(lines) and "sample" in lines[end] and lines[end]["id"] == lines[k]["id"]:
-            end += 1
-        kind = kinds if isinstance(kinds, str) else kinds[row]
-        out = result_line(kind, lines[k:end], model, created, text)
-        f.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
-        row, k = row + 1, end
+def write_results(groups: pa.Table | Iterable[pa.Table], f: IO[bytes], kinds: list[str] | str,
+                  model: str, created: int, text: TokenText | None = None) -> None:
+    """The final table, or its groups in order (each holding whole rows), as results lines,
+    written group by group. With a `sample` column, consecutive lines of one id are its samples.
+    kinds: per input row, or for all rows, "chat" or "completion"; text: a token id's text, for
+    the log-probabilities (the `logprobs` column)."""
+    row = 0
+    for table in [groups] if isinstance(groups, pa.Table) else groups:
+        lines = table.to_pylist()
+        k = 0
+        while k < len(lines):
+            end = k + 1
+            while (end < len(lines) and "sample" in lines[end]
+                   and lines[end]["id"] == lines[k]["id"]):
+                end += 1
+            kind = kinds if isinstance(kinds, str) else kinds[row]
+            out = result_line(kind, lines[k:end], model, created, text)
+            f.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
+            row, k = row + 1, end

@@ -3,7 +3,8 @@ collector: gauges named batchllm_<metric>, each with the label job="<job name>",
 (a temporary file beside it, then a rename: the collector never reads half a file), at the start,
 every few seconds while the job runs, and at the end.
 
-The names are the metrics file's keys (batchllm_prefill_tokens is metrics.json's prefill_tokens),
+The names are the metrics file's keys (batchllm_prefill_tokens is metrics.json's prefill_tokens;
+run_* count this process's work alone, as after a resume the rows count the whole file),
 plus what only a live run has (rows_done, kv_pages_in_use, waiting, running) and what a monitor
 alerts on: exit_status (written when the run ends: 0, 1, 2 or 3, as the command's exit code),
 last_success_timestamp_seconds (when a run last wrote its final file; kept from the file's
@@ -24,6 +25,10 @@ GAUGES: dict[str, str] = {  # name (without the prefix) -> help text
     "rows_ok": "rows that finished without an error",
     "rows_error": "rows that finished with an error",
     "rows_resumed": "rows taken from an earlier run's checkpoint",
+    "run_rows": "rows this process ran (after a resume: not those of the checkpoint)",
+    "run_prefill_tokens": "prompt tokens this process fed through the model's forward pass",
+    "run_completion_tokens": "tokens this process generated",
+    "run_output_tokens_per_s": "tokens this process generated per second of its run",
     "prompt_tokens": "prompt tokens of the rows run",
     "prefill_tokens": "prompt tokens fed through the model's forward pass",
     "tree_tokens": "distinct prompt tokens in the prefix tree",
@@ -57,6 +62,7 @@ PREFIX = "batchllm_"
 
 
 def _label(value: str) -> str:
+    value = storage.redact(value)
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 

@@ -1,9 +1,14 @@
 """Rows in: a file, a folder or a glob (local or on object storage) -> InputRows (plain data).
 
 Parquet, JSON Lines and CSV files (input.format, by extension when auto: rows/tables.py), or an
-OpenAI Batch file (input.format: openai-batch: rows/openai_batch.py). Files are read in sorted
-path order, rows in file order; the row index over all files is the row's identity for
-checkpoints and output order. Only the needed columns are read.
+OpenAI Batch file (input.format: openai-batch: rows/openai_batch.py, read line by line). Files
+are read in sorted path order, rows in file order; the row index over all files is the row's
+identity for checkpoints and output order. Only the needed columns are read.
+
+What is wrong with the whole input (a missing column, a column of the wrong type, duplicate
+ids) stops the job before it starts (ConfigError); what is wrong with one row (a cell that is
+not valid UTF-8, a value nested too deep, a per-row value out of range) makes that row an error
+row naming the field, and the other rows run.
 """
 
 from __future__ import annotations
@@ -16,8 +21,10 @@ import pyarrow.compute as pc
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
+from batchllm.rows.json_lines import lines
 from batchllm.rows.openai_batch import parse_batch
-from batchllm.rows.tables import EXTENSIONS, column_names, read_table
+from batchllm.rows.overrides import COLUMN_KINDS, check_override, override
+from batchllm.rows.tables import EXTENSIONS, BadCells, column_names, read_table
 
 
 @dataclass(frozen=True)
@@ -81,7 +88,7 @@ def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigErro
 
 
 def _read(file: str, cfg: InputConfig, wanted: list[str | None],
-          row_groups: list[int] | None = None) -> pa.Table:
+          row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
     return read_table(file, cfg.format, wanted, [_text_field(cfg)[0]], row_groups)
 
 
@@ -139,38 +146,6 @@ def _ids(table: pa.Table, cfg: InputConfig, files: list[str], tables: list[pa.Ta
     return ids
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _is_text_or_texts(t: pa.DataType) -> bool:
-    return _is_text(t) or (
-        (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_text(t.value_type))
-
-
-_COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
-    "max_tokens": (pa.types.is_integer, "integers"),
-    "n": (pa.types.is_integer, "integers"),
-    "logprobs": (pa.types.is_integer, "integers"),
-    "json_schema": (_is_text, "strings (a JSON schema per row)"),
-    "regex": (_is_text, "strings"),
-    "choice": (_is_text_or_texts, "lists of strings, or strings holding a JSON list"),
-    "top_k": (pa.types.is_integer, "integers"),
-    "seed": (pa.types.is_integer, "integers"),
-    "temperature": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "top_p": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "ignore_eos": (pa.types.is_boolean, "booleans"),
-    "stop": (_is_text_or_texts, "strings or lists of strings"),
-}
-
-
-def _check_override(name: str, t: pa.DataType) -> None:
-    ok, words = _COLUMN_KINDS.get(name, (lambda t: True, ""))
-    if not (ok(t) or pa.types.is_null(t)):
-        raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
-                          f"{t}; expected {words}")
-
-
 def _check_schema(schema: pa.Schema, cfg: InputConfig,
                   sampling_fields: tuple[str, ...]) -> None:
     """The column types read_input checks, from a file's schema alone (a float column for an
@@ -188,29 +163,8 @@ def _check_schema(schema: pa.Schema, cfg: InputConfig,
     for name in sampling_fields:
         if name in schema.names and name != text:
             t = value_type(name)
-            if not (pa.types.is_floating(t) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
-                _check_override(name, t)
-
-
-def _override(name: str, col: pa.ChunkedArray) -> list:
-    """One per-row sampling column as Python values (None: the job default).
-
-    Only the column's type is checked here; a value out of range (max_tokens 0) is left for the
-    engine to turn into an error row, so one bad row does not stop the job."""
-    if pa.types.is_dictionary(col.type):
-        col = col.cast(col.type.value_type)
-    if pa.types.is_floating(col.type) and _COLUMN_KINDS.get(name, (0, ""))[1] == "integers":
-        try:  # e.g. pandas wrote integers with nulls as float64
-            col = col.cast(pa.int64())
-        except pa.ArrowInvalid:
-            pass
-    _check_override(name, col.type)
-    values = col.to_pylist()
-    if name == "stop":
-        values = [v if v is None else (v,) if isinstance(v, str) else tuple(v) for v in values]
-    elif name == "choice":  # a list column; a string column holds JSON (SamplingParams parses)
-        values = [tuple(v) if isinstance(v, list) else v for v in values]
-    return values
+            if not (pa.types.is_floating(t) and COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
+                check_override(name, t)
 
 
 def _text_field(cfg: InputConfig) -> tuple[str, str]:
@@ -220,27 +174,38 @@ def _text_field(cfg: InputConfig) -> tuple[str, str]:
     return cfg.prompt_column, "input.prompt_column"
 
 
+def _bad_cell(cfg: InputConfig, column: str, why: str) -> str:
+    """A row's error for a cell that could not be read, naming the field."""
+    text, field = _text_field(cfg)
+    if column == text:
+        return f"{field}: {why}"
+    if column == cfg.id_column:
+        return f"input.id_column: {why}; the row's id is written with its bad bytes replaced"
+    return f"sampling.{column} (a per-row input column): {why}"
+
+
 def _rows(table: pa.Table, ids: pa.Array, cfg: InputConfig, files: tuple[str, ...],
-          sampling_fields: tuple[str, ...]) -> InputRows:
+          sampling_fields: tuple[str, ...], bad: BadCells) -> InputRows:
     text, field = _text_field(cfg)
     prompts = messages = None
     if cfg.messages_column:
         messages = _messages(table.column(text), text)
     else:
         prompts = _strings(table.column(text), field, text)
-    overrides = {name: _override(name, table.column(name))
+    overrides = {name: override(name, table.column(name))
                  for name in sampling_fields if name in table.column_names and name != text}
+    errors = {row: _bad_cell(cfg, column, why) for row, (column, why) in bad.items()}
     return InputRows(ids=ids, prompts=prompts, messages=messages, overrides=overrides,
-                     num_rows=table.num_rows, files=files)
+                     num_rows=table.num_rows, files=files, errors=errors)
 
 
 def _read_file(file: str, cfg: InputConfig, sampling_fields: tuple[str, ...],
-               row_groups: list[int] | None = None) -> pa.Table:
+               row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
     text, field = _text_field(cfg)
-    table = _read(file, cfg, [cfg.id_column, text, *sampling_fields], row_groups)
+    table, bad = _read(file, cfg, [cfg.id_column, text, *sampling_fields], row_groups)
     if text not in table.column_names:
         raise _missing(field, text, file, column_names(file, cfg.format))
-    return table
+    return table, bad
 
 
 def _concat(tables: list[pa.Table]) -> pa.Table:
@@ -257,22 +222,20 @@ def read_input(cfg: InputConfig, sampling_fields: tuple[str, ...] = SAMPLING_FIE
     files = input_files(cfg.path, cfg.format)
     if cfg.format == "openai-batch":
         return _read_batch(files, sampling_fields)
-    tables = [_read_file(file, cfg, sampling_fields) for file in files]
+    tables, bad, first = [], {}, 0
+    for file in files:
+        table, cells = _read_file(file, cfg, sampling_fields)
+        bad.update((first + row, why) for row, why in cells.items())
+        tables.append(table)
+        first += table.num_rows
     table = _concat(tables)
     ids = _ids(table, cfg, files, tables, table.num_rows)
-    return _rows(table, ids, cfg, tuple(files), sampling_fields)
+    return _rows(table, ids, cfg, tuple(files), sampling_fields, bad)
 
 
 def _read_batch(files: list[str], sampling_fields: tuple[str, ...]) -> InputRows:
-    """OpenAI Batch files: ids are the custom_ids."""
-    texts = []
-    for file in files:
-        try:
-            with storage.open_bytes(file) as f:
-                texts.append((file, f.read().splitlines()))
-        except OSError as e:
-            raise ConfigError(f"input.path: cannot read {file}: {e}") from None
-    b = parse_batch(texts, sampling_fields)
+    """OpenAI Batch files, line by line: ids are the custom_ids."""
+    b = parse_batch([(file, lines(file)) for file in files], sampling_fields)
     return InputRows(ids=pa.array(b.ids, pa.string()), prompts=b.prompts, messages=b.messages,
                      overrides=b.overrides, num_rows=len(b.ids), files=tuple(files),
                      errors=b.errors, prompts_as_is=True)

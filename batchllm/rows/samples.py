@@ -66,15 +66,6 @@ def whole_rows(done: set) -> int:
     return sum(1 for k in done if isinstance(k, int))
 
 
-def unique_lines(table: pa.Table) -> pa.Table:
-    """The part lines sorted by (row, sample), each (row, sample) once (a line written twice, by a
-    rerun after a crash, is the same line)."""
-    table = table.sort_by([("row", "ascending"), ("sample", "ascending")])
-    rows, samples = table.column("row").to_numpy(), table.column("sample").to_numpy()
-    first = np.r_[True, (rows[1:] != rows[:-1]) | (samples[1:] != samples[:-1])][: len(rows)]
-    return table.take(np.flatnonzero(first))
-
-
 def check_complete(table: pa.Table, num_rows: int) -> None:
     """RuntimeError unless the unique lines cover rows 0..num_rows-1, each with its n samples."""
     rows = table.column("row").to_numpy()

@@ -2,12 +2,16 @@
 
 Object stores go through pyarrow.fs (S3, GCS, Azure); a scheme pyarrow lacks goes through fsspec
 (wrapped as a pyarrow file system). S3 credentials, region and endpoint come from the usual
-environment (AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...).
+environment (AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), or from the URI
+(s3://key:secret@bucket/...): `redact` takes them out of every text the job prints or records.
 
-Writes are whole or nothing: a local file is written to "<path>.tmp", synced and renamed over
-`path`; an object store has no rename, but an object appears only once its upload completes, so
-the file is serialized in memory and uploaded in one request. Either way a reader never sees half
-a file, and a failed write leaves no temporary file behind and raises WriteFailed.
+Writes are whole or nothing (`write_atomic`): a local file through kernels/atomic_write.py (a
+temporary file under a fresh random name beside it, synced, renamed over `path`); an object
+store has no rename, but an object appears only once its upload completes: a small file is
+serialized in memory and uploaded in one request; a large one (stream=True: the final file) is
+streamed to a temporary object beside it, then moved (a copy inside the store) over `path`.
+Either way a reader never sees half a file, and a failed write leaves no temporary file behind
+and raises WriteFailed.
 """
 
 from __future__ import annotations
@@ -16,13 +20,24 @@ import io
 import os
 import posixpath
 import re
+import secrets
 import shutil
 from collections.abc import Callable
 from functools import lru_cache
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from kernels.atomic_write import write_atomic as write_local
+
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
+# user:password@ of a URI anywhere in a text, and the values of query parameters that carry
+# secrets (S3 presigned URLs, Azure SAS tokens, ...)
+_USERINFO = re.compile(  # key:secret (the secret may hold a raw "/") or a lone token, then @
+    r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://([^\s@'\"/:]+:[^\s@'\"]*|[^\s@'\"/:]+)@")
+_CONTAINER_AT_ACCOUNT = ("abfs", "abfss", "az", "wasb", "wasbs")  # container@account: no secret
+_SECRET_QUERY = re.compile(
+    r"([?&](?:x-amz-[a-z-]*|x-goog-[a-z-]*|sig|signature|token|access_token|secret|password|"
+    r"key|credential|sv|se|sp|st|skoid|sktid|skt|ske|sks|skv)=)[^&\s'\"]*", re.IGNORECASE)
 
 
 class WriteFailed(OSError):
@@ -35,7 +50,21 @@ class WriteFailed(OSError):
         self.reason = reason
 
     def __str__(self) -> str:
-        return f"cannot write {self.path}: {self.reason}"
+        return redact(f"cannot write {self.path}: {self.reason}")
+
+
+def redact(text: str) -> str:
+    """`text` with the credentials of every URI in it replaced by ***
+    (s3://key:secret@bucket/x -> s3://***@bucket/x; ?X-Amz-Signature=... -> =***)."""
+    if "://" not in text:
+        return text
+
+    def userinfo(m: re.Match) -> str:
+        if m.group(1).lower() in _CONTAINER_AT_ACCOUNT and ":" not in m.group(2):
+            return m.group(0)
+        return f"{m.group(1)}://***@"
+
+    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(userinfo, text))
 
 
 def is_remote(path: str) -> bool:
@@ -233,43 +262,49 @@ def open_bytes(path: str) -> IO[bytes]:
     return fs.open_input_stream(inner)
 
 
-def _fsync_folder(folder: str) -> None:
-    if hasattr(os, "O_DIRECTORY"):  # make a rename itself survive a power loss
-        fd = os.open(folder or ".", os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-
-
-def write_atomic(path: str, write: Callable[[IO[bytes]], None]) -> None:
+def write_atomic(path: str, write: Callable[[IO[bytes]], None], stream: bool = False,
+                 mode: int | None = None) -> None:
     """write(file object) into `path`, whole or not at all (see the module docstring). Raises
-    WriteFailed naming `path` when it cannot be written; no temporary file is left behind."""
-    if is_remote(path):
+    WriteFailed naming `path` when it cannot be written; no temporary file is left behind.
+    stream: on object storage, write through a temporary object instead of memory (for a file
+    too large to hold; locally every write streams). mode: a local file's permission bits
+    (default: as open() makes them)."""
+    if not is_remote(path):
+        try:
+            write_local(_local(path), write, mode=mode)
+        except OSError as e:  # pyarrow's write errors are OSErrors too (ArrowIOError)
+            raise WriteFailed(path, e) from e
+        return
+    fs, inner = _fs(path)
+    if not stream:
         buffer = io.BytesIO()
         write(buffer)
         try:
-            fs, inner = _fs(path)
             with fs.open_output_stream(inner) as out:
                 out.write(buffer.getbuffer())
         except OSError as e:
             raise WriteFailed(path, e) from e
         return
-    path = _local(path)
-    tmp = f"{path}.tmp"
+    folder, name = posixpath.split(inner)
+    tmp = posixpath.join(folder, f".{name}.tmp-{secrets.token_hex(8)}")  # readers skip "."
     try:
-        with open(tmp, "wb") as f:
-            write(f)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        _fsync_folder(os.path.dirname(path))
-    except OSError as e:  # pyarrow's write errors are OSErrors too (ArrowIOError)
+        with fs.open_output_stream(tmp) as out:
+            write(out)
+        fs.move(tmp, inner)
+    except OSError as e:
+        raise WriteFailed(path, e) from e
+    finally:
         try:
-            os.remove(tmp)
+            if fs.get_file_info(tmp).type != _not_found():
+                fs.delete_file(tmp)
         except OSError:
             pass
-        raise WriteFailed(path, e) from e
+
+
+def _not_found():
+    import pyarrow.fs as pafs
+
+    return pafs.FileType.NotFound
 
 
 def write_text(path: str, text: str) -> None:

@@ -3,14 +3,19 @@
 Parts live in "<output>.parts/part-00000.parquet", ... (with a writer tag, as Ray workers use:
 "part-00000-w1.parquet", so that writers sharing the folder never pick the same name; on object
 storage, which has no rename, each writer adds a random token too); each holds finished rows with
-their input row index ("row") and, in its key-value metadata, the job's fingerprint as JSON, so a
-resumed job only trusts parts written by the same job. Every file is written whole or not at all
-(storage.write_atomic): a reader never sees a half-written part, final file or metrics file.
+their input row index ("row") and, in its key-value metadata, the job's fingerprint as JSON
+(rows/fingerprint.py), so a resumed job only trusts parts written by the same job; the final file
+carries it too. Every file is written whole or not at all (storage.write_atomic): a reader never
+sees a half-written part, final file or metrics file.
 
 A part that cannot be read, lacks the part columns, or was written by another job is moved aside
 to "<output>.discarded/" (never deleted) and its rows run again; `discarded` lists them. When no
 part at all belongs to this job, the job itself changed since the checkpoint: that is a
-ConfigError (use output.mode: overwrite), not a reason to quietly run everything again.
+ConfigError (use output.mode: overwrite), not a reason to quietly run everything again; so is a
+part of this job computed with other numerics (model files, dtype, device, kernels).
+
+The final file is written by streaming the parts through an external merge (rows/merge.py):
+memory does not grow with the job's rows.
 """
 
 from __future__ import annotations
@@ -19,26 +24,20 @@ import json
 import math
 import os
 import secrets
+import threading
 import time
-from collections.abc import Callable
-from typing import IO, Any, NamedTuple
+from typing import Any, NamedTuple
 
 import numpy as np
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchllm.config import ConfigError
 from batchllm.rows import storage
-from batchllm.rows.record import ERROR, Row
-from batchllm.rows.samples import (
-    SAMPLE_FIELDS,
-    check_complete,
-    done_keys,
-    extra_fields,
-    sample_values,
-    unique_lines,
-)
+from batchllm.rows.fingerprint import canonical, differences, identity, loads, numerics_changed
+from batchllm.rows.merge import GROUP_BYTES, KEYS, FinalWriter, Part, merge_parts, write_parquet
+from batchllm.rows.record import Row
+from batchllm.rows.samples import SAMPLE_FIELDS, done_keys, sample_values
 
 FINGERPRINT_KEY = b"batchllm.fingerprint"
 
@@ -87,10 +86,6 @@ OUTPUT_COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "complet
                   "cached_tokens", "error")
 
 
-def _canonical(d: dict) -> str:
-    return json.dumps(d, sort_keys=True, default=str)
-
-
 def _schema_problem(schema: pa.Schema) -> str | None:
     """Why a part's columns are not those of a part, or None."""
     names = set(schema.names)
@@ -108,7 +103,7 @@ def _schema_problem(schema: pa.Schema) -> str | None:
 def output_schema(id_type: pa.DataType, include_prompt: bool = False,
                   include_token_ids: bool = False, extra: list[pa.Field] = ()) -> pa.Schema:
     """The final file's schema (DESIGN.md "Output Parquet"), without metadata; `extra`: the
-    sample and logprobs fields the lines call for (rows/samples.py extra_fields)."""
+    sample and logprobs fields the lines call for."""
     fields = [pa.field("id", id_type)] + [f for f in _PART_FIELDS if f.name in OUTPUT_COLUMNS]
     if include_prompt:
         fields.append(_PART_FIELDS[7])
@@ -120,8 +115,9 @@ def output_schema(id_type: pa.DataType, include_prompt: bool = False,
 class CheckpointWriter:
     """Buffers finished rows and flushes them as parts; finalize() merges them in input order.
 
-    Not thread-safe. flush() takes the buffer before writing, so a signal handler may call it
-    while add() runs without writing a row twice.
+    add() from one thread; flush() from any (a Ray worker's driver asks it to flush while its
+    shard runs), one at a time. flush() takes the buffer before writing, so a signal handler may
+    call it while add() runs without writing a row twice.
     """
 
     def __init__(self, output_path: str | os.PathLike, fingerprint: dict,
@@ -136,7 +132,7 @@ class CheckpointWriter:
         self.parts_dir = self.output_path + ".parts"
         self.discarded_dir = self.output_path + ".discarded"
         self.fingerprint = fingerprint
-        self._fingerprint_json = _canonical(fingerprint)
+        self._fingerprint_json = canonical(fingerprint)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
         self._rows: list[dict] = []  # part_row of each finished row not yet in a part
@@ -144,6 +140,7 @@ class CheckpointWriter:
         self._next_part: int | None = None
         self.rows_flushed = 0  # rows this writer has written to parts
         self.discarded: list[Discarded] = []  # parts moved aside (bad, or of another job)
+        self._flushing = threading.RLock()
 
     # -- while running ---------------------------------------------------------------------
     def add(self, row: Row) -> None:
@@ -159,10 +156,13 @@ class CheckpointWriter:
 
     def flush(self) -> None:
         """Write the buffered rows as the next part (nothing when none are buffered)."""
-        rows, self._rows = self._rows, []
-        self._last_flush = time.monotonic()
-        if not rows:
-            return
+        with self._flushing:
+            rows, self._rows = self._rows, []
+            self._last_flush = time.monotonic()
+            if rows:
+                self._write_part(rows)
+
+    def _write_part(self, rows: list[dict]) -> None:
         storage.makedirs(self.parts_dir)
         if self._next_part is None:
             self._next_part = 1 + max((int(n[5:10]) for n in self._part_names()), default=-1)
@@ -197,31 +197,38 @@ class CheckpointWriter:
         storage.move(path, moved_to)
         self.discarded.append(Discarded(path, moved_to, why))
 
-    def _read_parts(self, columns: list[str] | None = None) -> list[pa.Table]:
-        """The parts of this job; bad ones and other jobs' are moved aside (module docstring)."""
-        tables, foreign = [], []
+    def _read_parts(self) -> list[Part]:
+        """The parts of this job with their key columns; bad ones and other jobs' are moved
+        aside, and parts of this job with other numerics refused (module docstring)."""
+        parts, foreign = [], []
+        ours = loads(self._fingerprint_json)
         for name in self._part_names():
+            path = storage.join(self.parts_dir, name)
             try:
-                pf = pq.ParquetFile(storage.arrow_source(storage.join(self.parts_dir, name)))
+                pf = pq.ParquetFile(storage.arrow_source(path))
                 stored = (pf.schema_arrow.metadata or {}).get(FINGERPRINT_KEY, b"{}").decode()
                 problem = _schema_problem(pf.schema_arrow)
-                table = None if problem else pf.read(columns=columns)
-            except (OSError, pa.ArrowException) as e:
+                keys = None if problem else pf.read(columns=KEYS)
+                nbytes = sum(pf.metadata.row_group(i).total_byte_size
+                             for i in range(pf.metadata.num_row_groups))
+            except (OSError, pa.ArrowException, UnicodeDecodeError) as e:
                 self._discard(name, f"cannot be read ({e})")
                 continue
             if problem:
                 self._discard(name, problem)
-            elif stored != self._fingerprint_json:
-                foreign.append((name, stored))
+            elif stored == self._fingerprint_json:
+                parts.append(Part(path, keys, nbytes))
+            elif canonical(identity(loads(stored))) == canonical(identity(ours)):
+                raise ConfigError(numerics_changed(f"the checkpoint in {self.parts_dir}",
+                                                   loads(stored), ours))
             else:
-                tables.append(table)
-        ours = json.loads(self._fingerprint_json)
-        if foreign and not tables:
-            raise ConfigError(_mismatch(self.parts_dir, _loads(foreign[0][1]), ours))
+                foreign.append((name, stored))
+        if foreign and not parts:
+            raise ConfigError(_mismatch(self.parts_dir, loads(foreign[0][1]), ours))
         for name, stored in foreign:
-            differs = ", ".join(_differences(_loads(stored), ours)) or "?"
+            differs = ", ".join(differences(loads(stored), ours)) or "?"
             self._discard(name, f"was written by another job (differs in: {differs})")
-        return tables
+        return parts
 
     def done_rows(self) -> set[int | tuple[int, int]]:
         """What is already in parts (plus any buffered): the index of each row with all its
@@ -229,54 +236,42 @@ class CheckpointWriter:
         row indices only). Bad parts and other jobs' parts are moved aside; ConfigError when the
         parts hold no part of this job but some of another (the job changed since the
         checkpoint)."""
-        keys = ("row", "sample", "samples")
-        columns = [[np.asarray([r[k] for r in self._rows], np.int64)] for k in keys]
-        for table in self._read_parts(list(keys)):
-            for col, k in zip(columns, keys):
-                col.append(table.column(k).to_numpy())
+        columns = [[np.asarray([r[k] for r in self._rows], np.int64)] for k in KEYS]
+        for part in self._read_parts():
+            for col, k in zip(columns, KEYS):
+                col.append(part.keys.column(k).to_numpy())
         return done_keys(*(np.concatenate(c) for c in columns))
 
     # -- the end -------------------------------------------------------------------------------
     def finalize(self, id_type: pa.DataType, metadata: dict[str, str], include_prompt: bool,
                  include_token_ids: bool, num_rows: int | None = None,
-                 write_final: Callable[[pa.Table, IO[bytes]], None] | None = None) -> Finalized:
-        """Write the final file sorted by row, atomically, then remove the parts folder.
+                 write_final: FinalWriter | None = None,
+                 group_bytes: int = GROUP_BYTES) -> Finalized:
+        """Write the final file sorted by row, atomically and by streaming (rows/merge.py),
+        then remove the parts folder. Its metadata: `metadata` and the job's fingerprint.
 
         One line per (row, sample), in that order. With num_rows, check that rows
         0..num_rows-1 are all there with all their samples (RuntimeError if not).
-        write_final(table, file): writes the final table in another format (default Parquet).
+        write_final(groups, schema, file): writes the final file in another format (default
+        Parquet); group_bytes: about how much of the lines is in memory at once.
         Returns the path and the lines written, error lines counted as they are written.
         """
         self.flush()
         part_schema = pa.schema(_PART_FIELDS + [pa.field("id", id_type)])
-        parts = [t.select(part_schema.names).cast(part_schema) for t in self._read_parts()]
-        table = unique_lines(pa.concat_tables(parts) if parts else part_schema.empty_table())
-        if num_rows is not None:
-            check_complete(table, num_rows)
-        schema = output_schema(id_type, include_prompt, include_token_ids, extra_fields(table))
-        final = table.select(schema.names).cast(schema).replace_schema_metadata(metadata)
-        storage.makedirs(storage.dirname(self.output_path))
-        write = write_final or pq.write_table
-        storage.write_atomic(self.output_path, lambda f: write(final, f))
+        meta = {**metadata, FINGERPRINT_KEY.decode(): self._fingerprint_json}
+
+        def schema(extra: list[pa.Field]) -> pa.Schema:
+            return output_schema(id_type, include_prompt, include_token_ids,
+                                 extra).with_metadata(meta)
+
+        merged = merge_parts(self._read_parts(), part_schema, self.output_path, self.parts_dir,
+                             schema, num_rows, write_final or write_parquet, group_bytes)
         self.clear()
-        errors = pc.sum(pc.equal(final.column("finish_reason"), ERROR)).as_py() or 0
-        return Finalized(self.output_path, final.num_rows, errors)
-
-
-def _loads(text: str) -> dict:
-    try:
-        d = json.loads(text)
-    except ValueError:
-        return {}
-    return d if isinstance(d, dict) else {}
-
-
-def _differences(theirs: dict, ours: dict) -> list[str]:
-    return sorted(k for k in set(theirs) | set(ours) if theirs.get(k) != ours.get(k))
+        return Finalized(self.output_path, merged.lines, merged.errors)
 
 
 def _mismatch(where: str, theirs: dict, ours: dict) -> str:
-    keys = _differences(theirs, ours)
+    keys = differences(theirs, ours)
     return (f"output.mode: the checkpoint in {where} was written by a different job (differs in: "
             f"{', '.join(keys) or '?'}); use output.mode: overwrite to start again")
 
@@ -295,5 +290,6 @@ def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> st
     """Write metrics as JSON to "<output>.metrics.json" atomically; returns that path.
     Non-finite floats become null (JSON has no NaN)."""
     path = os.fspath(output_path) + ".metrics.json"
-    storage.write_text(path, json.dumps(_finite(metrics), indent=2, default=str) + "\n")
+    text = storage.redact(json.dumps(_finite(metrics), indent=2, default=str))
+    storage.write_text(path, text + "\n")
     return path

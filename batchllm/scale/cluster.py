@@ -1,14 +1,27 @@
 """The Ray side of a sharded job: joining or starting Ray, and creating worker actors.
 
-Only this module and `driver` import ray, and only when a job has engine.workers > 1.
+Without engine.ray_address a job starts its own Ray instance on this machine, reachable from this
+machine only: every Ray process listens on 127.0.0.1 (Ray's gRPC servers have no authentication
+of their own), and its session files (sockets, logs, spilled objects) live in a new private
+folder (0700) that goes away with the instance. engine.ray_address joins the cluster it names,
+as that cluster is set up. Only this module, `driver`, `worker` and `shuffle` import ray, and
+only when a job has engine.workers > 1.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import ipaddress
 import os
+import shutil
+import signal
+import tempfile
+import threading
+from collections.abc import Iterator
 
 from batchllm.config import ConfigError, JobConfig
+from batchllm.rows.storage import absolute, redact
 
 # A worker on a CPU-only cluster takes half a logical CPU: whole-CPU actors on a small machine
 # leave nothing for Ray's own tasks (seen on 2 cores: ray.init(num_cpus=2) with two 1-CPU actors
@@ -24,22 +37,75 @@ def require_ray(cfg: JobConfig) -> None:
                           "pip install batchllm[ray]")
 
 
-def connect(cfg: JobConfig) -> bool:
-    """Join Ray: the running session of this process, the cluster at engine.ray_address, or a new
-    local instance (no dashboard; at least one logical CPU per worker), even where `ray start`
-    left a cluster running on this machine. Returns whether this call started Ray (then the
-    caller shuts it down)."""
+# Ray's own switch for a single-node instance: where it is off, Ray takes the loopback address as
+# the node's (on Linux it is on, and Ray replaces 127.0.0.1 by the host's address, on which its
+# servers then listen). Read by Ray when it is imported, and looked up again at ray.init.
+_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_only() -> Iterator[None]:
+    """The switch off while a local instance starts (its processes inherit it), as it was after."""
+    old = os.environ.get(_CLUSTER_SWITCH)
+    os.environ[_CLUSTER_SWITCH] = "0"
+    from ray._private import ray_constants  # imported with ray: the value it read then
+
+    was = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = was
+        if old is None:
+            os.environ.pop(_CLUSTER_SWITCH, None)
+        else:
+            os.environ[_CLUSTER_SWITCH] = old
+
+
+@contextlib.contextmanager
+def ray_session(cfg: JobConfig) -> Iterator[None]:
+    """Ray for the job's workers: the running session of this process; the cluster at
+    engine.ray_address; or a new local instance on 127.0.0.1 with a private folder (no
+    dashboard; at least one logical CPU per worker), even where `ray start` left a cluster
+    running on this machine. A Ray this call started or joined is left when the block ends."""
     import ray
 
     if ray.is_initialized():
-        return False
-    address = cfg.engine.ray_address
-    if address:
-        ray.init(address=address)
-    else:
-        cpus = max(os.cpu_count() or 1, cfg.engine.workers)
-        ray.init(address="local", num_cpus=cpus, include_dashboard=False, log_to_driver=False)
-    return True
+        yield
+        return
+    folder = None
+    ours = _signal_handlers()
+    try:
+        if cfg.engine.ray_address:
+            ray.init(address=cfg.engine.ray_address)
+        else:
+            folder = tempfile.mkdtemp(prefix="batchllm-ray-")  # 0700; Ray opens its own
+            cpus = max(os.cpu_count() or 1, cfg.engine.workers)  # temp folder (0777) inside
+            with _loopback_only():
+                ray.init(address="local", num_cpus=cpus, include_dashboard=False,
+                         log_to_driver=False, _node_ip_address="127.0.0.1",
+                         _temp_dir=os.path.join(folder, "ray"))
+            node = ray.util.get_node_ip_address()
+            if not ipaddress.ip_address(node).is_loopback:  # a Ray that no longer has the switch
+                raise RuntimeError(f"engine.ray_address: the local Ray instance listens on {node}"
+                                   ", not 127.0.0.1; start Ray yourself and set ray_address")
+        for signum, handler in ours.items():  # Ray's core worker replaced them with its own,
+            signal.signal(signum, handler)     # which dies at SIGTERM without a flush
+        yield
+    finally:
+        if ray.is_initialized():
+            ray.shutdown()
+        if folder is not None:
+            shutil.rmtree(folder, ignore_errors=True)
+
+
+def _signal_handlers() -> dict:
+    """The Python handlers of SIGINT and SIGTERM (run_job's: flush, then the resume command),
+    where this thread may set them (the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)
+            if signal.getsignal(s) is not None}
 
 
 def use_gpus(cfg: JobConfig) -> bool:
@@ -51,7 +117,7 @@ def use_gpus(cfg: JobConfig) -> bool:
 
 def actor_name(cfg: JobConfig, worker: int, attempt: int = 0) -> str:
     """The Ray name of a worker's actor (in the driver's namespace); attempt > 0 after a restart."""
-    base = f"batchllm:{os.path.abspath(cfg.output.path)}:w{worker}"
+    base = f"batchllm:{redact(absolute(cfg.output.path))}:w{worker}"
     return base if attempt == 0 else f"{base}:r{attempt}"
 
 
@@ -64,7 +130,7 @@ def start_worker(cfg: JobConfig, fingerprint: dict, flush_rows: int, worker: int
     from batchllm.scale.worker import ShardWorker
 
     resources = {"num_gpus": 1} if gpus else {"num_cpus": CPU_WORKER_CPUS}
-    # max_concurrency 2: pid() answers while run_shard runs
+    # max_concurrency 2: pid(), progress() and flush() answer while run_shard runs
     actor = ray.remote(ShardWorker).options(
         name=actor_name(cfg, worker, attempt), max_restarts=0, max_concurrency=2, **resources)
     return actor.remote(cfg, fingerprint, flush_rows)

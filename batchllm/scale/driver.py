@@ -1,6 +1,8 @@
 """The driver of a sharded job (engine.workers > 1): plan and shard locally (engine.sharding:
-tree) or have Ray tasks range-partition the rows (partition), run each shard on a Ray actor,
-restart a worker that dies with the rows it had not flushed, merge the metrics.
+tree) or have Ray tasks range-partition the rows (partition), run each shard on a Ray actor
+(scale/pool.py: a worker that dies or stalls is replaced, with the rows it had not flushed),
+merge the metrics. Interrupted (SIGINT, SIGTERM: run_job's JobInterrupted), it has every worker
+flush its finished rows to parts before the workers are stopped, as the local path flushes.
 
 The parts the workers write are the single-process checkpoint format, in the same folder
 (tagged per worker), so run_job finalizes and resumes a sharded job exactly like a local one.
@@ -11,8 +13,6 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from collections.abc import Callable
-from dataclasses import dataclass
 from itertools import pairwise
 
 import numpy as np
@@ -30,12 +30,11 @@ from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import JobShards, plan_index, shard_job
-from batchllm.scale.cluster import connect, start_worker, use_gpus
+from batchllm.scale.cluster import ray_session, use_gpus
 from batchllm.scale.merge import ShardedMetrics, WorkerRecord, merge_metrics
+from batchllm.scale.pool import Work, WorkerPool
+from batchllm.scale.shard import Shard
 from batchllm.scale.shuffle import Partitions, partition_rows
-from batchllm.scale.worker import Shard
-
-MAX_RESTARTS = 3  # per worker; then the job fails (its finished rows stay in parts: resume)
 
 
 class _PartsWatcher:
@@ -83,17 +82,7 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
     return dataclasses.replace(cfg, model=model, output=output)
 
 
-@dataclass(eq=False)
-class _Work:
-    """What the driver hands out: each worker's input rows, and how to start its run."""
-
-    rows: list[np.ndarray]  # [N] sorted input row indices of each worker
-    call: Callable  # (actor, worker, done rows) -> ObjectRef of the run's metrics
-    predict: Callable | None  # (worker, done rows) -> predicted prefill tokens; None: the
-    # worker's own plan tells (partition)
-
-
-def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[_Work, JobShards]:
+def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[Work, JobShards]:
     """engine.sharding: tree: the driver tokenizes and plans the whole job and cuts the plan."""
     tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     rows = build_rows(tokenizer, cfg.input, cfg.sampling, source,
@@ -103,10 +92,10 @@ def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[_Work, JobShards]:
     def call(actor, k: int, done: set[int]):
         return actor.run_shard.remote(_shard(job, k, done, rows))
 
-    return _Work(job.rows, call, lambda k, done: _predicted(job, k, done)), job
+    return Work(job.rows, call, lambda k, done: _predicted(job, k, done)), job
 
 
-def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partitions]:
+def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[Work, Partitions]:
     """engine.sharding: partition: tasks tokenize and range-partition; workers plan."""
     _, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     parts = partition_rows(cfg, index, cfg.engine.workers, limit)
@@ -115,7 +104,7 @@ def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[_Work, Partition
         mine = sorted(done.intersection(parts.rows[k].tolist()))
         return actor.run_partition.remote(parts.pieces[k], k, mine)
 
-    return _Work(parts.rows, call, None), parts
+    return Work(parts.rows, call, None), parts
 
 
 def _cut_tokens(records: list[WorkerRecord]) -> list[int]:
@@ -131,61 +120,24 @@ def run_sharded(cfg: JobConfig, source: InputRows | InputIndex, writer: Checkpoi
     writer.parts_dir. `source`: all input rows (the driver plans: engine.sharding tree) or the
     input's index (tasks tokenize and partition). Returns the merged metrics (run_job finalizes
     the output)."""
-    import ray
-
     start = time.perf_counter()
     cfg = _absolute_paths(cfg)  # workers may start in another directory (a joined cluster)
     records = [WorkerRecord(k) for k in range(cfg.engine.workers)]
-    actors: dict = {}  # worker -> its running actor
-    pending: dict = {}  # ObjectRef -> worker
     watcher = _PartsWatcher(writer, bar)
-    started = False
-    try:
-        started = connect(cfg)
-        gpus = use_gpus(cfg)
+    with ray_session(cfg):
         if isinstance(source, InputIndex):
             work, parts = _partition_work(cfg, source)
         else:
             work, job = _tree_work(cfg, source)
-
-        def launch(k: int, now_done: set[int]) -> None:
-            if not set(work.rows[k].tolist()) - now_done:
-                return  # nothing left to run
-            if work.predict is not None:
-                records[k].predicted_prefill_tokens = work.predict(k, now_done)
-            actor = start_worker(cfg, writer.fingerprint, writer.flush_rows, k,
-                                 records[k].restarts, gpus)
-            actors[k] = actor
-            pending[work.call(actor, k, now_done)] = k
-
-        for k in range(cfg.engine.workers):
-            launch(k, done)
-        while pending:
-            ready, _ = ray.wait(list(pending), num_returns=1, timeout=0.5)
-            watcher.poll()
-            for ref in ready:
-                k = pending.pop(ref)
-                try:
-                    records[k].result = ray.get(ref)
-                    ray.kill(actors.pop(k))  # its GPU goes to a worker still waiting for one
-                except ray.exceptions.RayActorError as died:
-                    if died.actor_init_failed:  # the model did not load: a restart would not
-                        raise RuntimeError(f"worker {k} could not start: {died}") from died
-                    records[k].restarts += 1
-                    if records[k].restarts > MAX_RESTARTS:
-                        raise RuntimeError(f"worker {k} died {records[k].restarts} times; its "
-                                           f"finished rows are in {writer.parts_dir}") from died
-                    now_done = writer.done_rows()
-                    shard = set(work.rows[k].tolist())
-                    records[k].rows_recovered += len((now_done - done) & shard)
-                    done = done | (now_done & shard)
-                    launch(k, done)
+        pool = WorkerPool(cfg, writer, work, records, done, use_gpus(cfg))
+        try:
+            pool.run(watcher.poll)
+        except BaseException:  # interrupted, or failed: what the workers finished is kept
+            pool.flush()
+            raise
+        finally:
+            pool.close()
         watcher.poll()
-    finally:
-        for actor in actors.values():
-            ray.kill(actor)
-        if started:
-            ray.shutdown()
     wall = time.perf_counter() - start
     if isinstance(source, InputIndex):
         for w in records:  # a worker plans its own part: its plan is the prediction

@@ -4,9 +4,12 @@ field), the shards' predicted figures, and one entry per worker."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from batchllm.engine.metrics import RunMetrics
-from batchllm.scale.worker import WorkerResult
+
+if TYPE_CHECKING:
+    from batchllm.scale.worker import WorkerResult
 
 
 @dataclass
@@ -15,7 +18,8 @@ class WorkerRecord:
 
     worker: int
     predicted_prefill_tokens: int = 0  # of the rows the last attempt was given to run
-    restarts: int = 0  # attempts that died
+    restarts: int = 0  # attempts that died or were replaced
+    timeouts: int = 0  # of them, attempts replaced for making no progress (worker_timeout)
     rows_recovered: int = 0  # rows a dead attempt had flushed to parts: not run again
     result: WorkerResult | None = None  # of the attempt that finished
 
@@ -29,6 +33,7 @@ class WorkerRecord:
             "completion_tokens": m.completion_tokens,
             "wall_seconds": self.result.wall_seconds if self.result else 0.0,
             "restarts": self.restarts,
+            "timeouts": self.timeouts,
             "rows_recovered": self.rows_recovered,
         }
 
@@ -40,6 +45,7 @@ class ShardedMetrics:
     run: RunMetrics
     workers: int
     worker_restarts: int
+    worker_timeouts: int  # of the restarts, workers replaced for making no progress
     rows_recovered: int
     predicted_prefill_tokens: int
     predicted_duplicated_prefix_tokens: int  # prefix tokens computed on more than one worker
@@ -61,6 +67,7 @@ def merge_metrics(records: list[WorkerRecord], wall: float, tree_tokens: int,
         run=RunMetrics.merge(runs, tree_tokens=tree_tokens, wall_seconds=wall),
         workers=len(records),
         worker_restarts=sum(w.restarts for w in records),
+        worker_timeouts=sum(w.timeouts for w in records),
         rows_recovered=sum(w.rows_recovered for w in records),
         predicted_prefill_tokens=sum(w.predicted_prefill_tokens for w in records),
         predicted_duplicated_prefix_tokens=duplicated_tokens,

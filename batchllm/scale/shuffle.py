@@ -24,7 +24,7 @@ from batchllm.plan.partition import (
 from batchllm.rows.admission import admit
 from batchllm.rows.blocks import InputBlock, InputIndex, read_block
 from batchllm.rows.build import build_rows
-from batchllm.scale.worker import Shard
+from batchllm.scale.shard import Shard
 
 
 @functools.cache
@@ -86,9 +86,3 @@ def partition_rows(cfg: JobConfig, index: InputIndex, num_parts: int,
             for k in range(num_parts)]
     pieces = [[refs[k + 1] for refs in second] for k in range(num_parts)]
     return Partitions(rows, pieces, len(index.blocks))
-
-
-def gather_pieces(pieces: list[Shard], worker: int, done: set[int]) -> Shard:
-    """A worker's pieces as one Shard in input order, the rows in `done` to skip."""
-    rows = sorted((r for p in pieces for r in p.rows), key=lambda r: r.index)
-    return Shard(worker, rows, done & {r.index for r in rows})

@@ -1,0 +1,103 @@
+"""engine/stopping.py: stop strings matched on the newly decoded text only, with the real
+SmolLM2 tokenizer: each step searches at most the longest stop string's length - 1 characters
+plus the new text (and decodes a few tokens), however long the output; where it stops and the
+text it returns are those of decoding the whole output and searching all of it."""
+
+from __future__ import annotations
+
+import itertools
+import random
+
+import pytest
+from hf_reference import smollm2_folder
+
+from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.stopping import StopChecker
+from batchllm.model.tokenizer import load_tokenizer
+from batchllm.sampling_params import SamplingParams
+
+EOS = 2
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer(smollm2_folder())
+
+
+def _feed(checker: StopChecker, out: list[int], sp: SamplingParams, on_step=None):
+    """The output fed one token at a time, as the engine does: (tokens taken, text, reason)."""
+    seq = Sequence(Kind.ROW, 0, [1, 3, 5], 3, sampling=sp)
+    for k, tok in enumerate(out, 1):
+        seq.token_ids.append(tok)
+        done = checker.check(seq)
+        if on_step is not None:
+            on_step(k)
+        if done:
+            return k, checker.final_text(seq), seq.finish_reason
+    return len(out), checker.final_text(seq), None
+
+
+def _reference(tokenizer, out: list[int], sp: SamplingParams):
+    """Decode everything each step and search all of it (what the checker did before)."""
+    for k in range(1, len(out) + 1):
+        if not sp.ignore_eos and out[k - 1] == EOS:
+            return k, tokenizer.decode(out[:k], skip_special_tokens=True), "stop"
+        text = tokenizer.decode(out[:k], skip_special_tokens=True)
+        hits = [i for i in (text.find(s) for s in sp.stop) if i >= 0]
+        if hits:
+            return k, text[: min(hits)], "stop"
+        if k >= sp.max_tokens:
+            return k, text, "length"
+    return len(out), tokenizer.decode(out, skip_special_tokens=True), None
+
+
+def test_each_step_scans_the_new_text_and_a_stop_length_before_it(tokenizer) -> None:
+    words = ("the parties agree that clause {} of the lease binds the tenant; "
+             "payment is due on day {} of each month. ")
+    text = "".join(words.format(i, i % 28 + 1) for i in range(400))
+    out = tokenizer.encode(text, add_special_tokens=False)
+    assert len(out) > 8000
+    stops = ("<END OF THE CONTRACT>", "\n\n\n")  # never in the text
+    longest = max(map(len, stops))
+    sp = SamplingParams(max_tokens=len(out), stop=stops)
+    checker = StopChecker(tokenizer, {EOS}, 100_000)
+    scanned, bound, decoded = [], [], []
+    lengths = [0]  # of the text of out[:k]: ASCII, so each token adds its own text
+    assert "".join(tokenizer.decode([t]) for t in out) == text
+
+    def on_step(k: int) -> None:
+        lengths.append(lengths[-1] + len(tokenizer.decode([out[k - 1]])))
+        scanned.append(checker.scanned_chars)
+        bound.append(min(longest - 1, lengths[-2]) + lengths[-1] - lengths[-2])
+        decoded.append(checker.decoded_tokens)
+
+    taken, got, reason = _feed(checker, out, sp, on_step)
+    assert (taken, reason) == (len(out), "length") and got == text
+    assert all(s <= b for s, b in zip(scanned, bound)), max(s - b for s, b in zip(scanned, bound))
+    assert max(scanned) <= longest - 1 + max(b - a for a, b in itertools.pairwise(lengths))
+    assert max(decoded) <= 3  # the new token and the one before it, twice
+
+
+def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer) -> None:
+    """Random outputs (byte-level tokens that split characters, special tokens, end of
+    sequence) and stop strings cut from their own text: the same step, text and reason."""
+    rng = random.Random(0)
+    base = "Le café coûte 3 €. 東京の天気は晴れ🙂. Clause 7(b): the tenant pays.\n\n"
+    pool = tokenizer.encode(base * 3, add_special_tokens=False)
+    pool += [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
+    checked = 0
+    for trial in range(300):
+        out = [rng.choice(pool) for _ in range(rng.randint(5, 60))]
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        stops = []
+        for _ in range(rng.randint(1, 3)):
+            a = rng.randrange(len(text) or 1)
+            piece = text[a : a + rng.randint(1, 6)]
+            if piece and "\ufffd" not in piece:
+                stops.append(piece)
+        sp = SamplingParams(max_tokens=rng.randint(3, 70), stop=stops or ["zz"],
+                            ignore_eos=trial % 2 == 0)
+        want = _reference(tokenizer, out, sp)
+        assert _feed(StopChecker(tokenizer, {EOS}, 100_000), out, sp) == want, (out, sp.stop)
+        checked += want[2] == "stop"
+    assert checked > 100  # most trials end at a stop string (the rest: max_tokens)
