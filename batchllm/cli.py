@@ -85,13 +85,19 @@ def run(
 def plan(
     job: Annotated[Path, typer.Argument(help="The job file (YAML).")],
     overrides: Annotated[list[str] | None, _SET] = None,
+    devices: Annotated[str | None, typer.Option(
+        "--devices", help="Plan the memory for these devices instead of this machine's: "
+        "COUNTxKIND (2xH200, 8xH100) or COUNTxSIZE (4x80GiB).")] = None,
+    memory_only: Annotated[bool, typer.Option(
+        "--memory-only", help="Only the memory plan, from the model's config.json alone (no "
+        "input read, no weights or tokenizer needed).")] = False,
 ) -> None:
-    """Read and tokenize the input, build the prefix tree and print what a run would do.
-    Runs no model forward pass."""
+    """Read and tokenize the input, build the prefix tree and print what a run would do, and
+    whether the model and its KV cache fit the devices. Runs no model forward pass."""
     from batchllm.plan_report import plan_job
 
     try:
-        report = plan_job(job, overrides or [])
+        report = plan_job(job, overrides or [], devices, memory_only)
     except _start_errors() as e:
         _fail(str(e), 2)
     width = max(map(len, report))

@@ -289,10 +289,11 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
         kinds = ["chat" if m is not None else "completion" for m in rows.messages]
     created = int(time.time())
     # a token id's text, for the results' log-probabilities (the tokenizer loaded only if asked)
-    from batchllm.model.weights import lazy_token_text
+    from batchllm.model.tokenizer import lazy_token_text
 
     return lambda groups, schema, f: write_results(groups, f, kinds, cfg.model.path, created,
-                                                   lazy_token_text(cfg.model.path))
+                                                   lazy_token_text(cfg.model.path,
+                                                                   cfg.model.revision))
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

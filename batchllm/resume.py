@@ -63,9 +63,9 @@ def numerics(cfg: JobConfig) -> dict:
     import torch
 
     from batchllm.model.loader import pick_device, pick_dtype
-    from batchllm.model.weights import resolve_model
+    from batchllm.model.resolve import resolve_model
 
-    folder = resolve_model(cfg.model.path)
+    folder = resolve_model(cfg.model.path, cfg.model.revision)
     if cfg.engine.workers > 1 and cfg.model.device != "auto":  # the workers' device, not ours
         device = torch.device(cfg.model.device)
     else:

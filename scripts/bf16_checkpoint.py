@@ -15,7 +15,7 @@ from pathlib import Path
 
 from safetensors.torch import load_file, save_file
 
-from batchllm.model.weights import resolve_model
+from batchllm.model.resolve import resolve_model
 
 
 def main() -> None:

@@ -49,7 +49,7 @@ def main() -> int:
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args()
     from batchllm import LLM, SamplingParams
-    from batchllm.model.weights import load_config
+    from batchllm.model.hf_cache import load_config
 
     vocab = load_config(args.folder).vocab_size
     rng = np.random.default_rng(1)

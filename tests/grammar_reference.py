@@ -15,7 +15,7 @@ from hf_reference import _eos_ids, hf_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
 from batchllm.engine.grammar import JSON_OPTIONS  # the separators batchllm documents
-from batchllm.model.weights import load_tokenizer
+from batchllm.model.tokenizer import load_tokenizer
 
 
 def reference_grammar(kind: str, spec) -> str:

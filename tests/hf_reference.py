@@ -35,7 +35,9 @@ from transformers import (
     Qwen3MoeConfig,
 )
 
-from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
+from batchllm.model.hf_cache import load_config
+from batchllm.model.resolve import resolve_model
+from batchllm.model.tokenizer import eos_token_ids, load_tokenizer
 
 SMOLLM2 = "smollm2-135m-instruct"
 BF16_ULPS = 4  # measured: 30 of 96 rows diverged, the worst at 3 ulps (scripts/measure_bf16.py)

@@ -21,8 +21,8 @@ from test_engine_equivalence import MAX_TOKENS, nested_prompts
 
 from batchllm import LLM, SamplingParams
 from batchllm.model.decoder import model_shape
+from batchllm.model.hf_cache import load_config
 from batchllm.model.loader import load_model
-from batchllm.model.weights import load_config
 
 NEW_KINDS = [k for k in FAMILY_KINDS if k not in ("llama", "qwen2", "mistral")]  # those three:
 # tests/test_engine_equivalence.py

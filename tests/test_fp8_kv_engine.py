@@ -27,10 +27,10 @@ from safetensors.torch import load_file, save_file
 from test_engine_equivalence import nested_prompts
 
 from batchllm import LLM, SamplingParams
-from batchllm.config import EngineConfig
+from batchllm.config import EngineConfig, job_from_dict
 from batchllm.model.errors import ModelError
 from batchllm.model.fp8_checkpoint import take_kv_scales
-from batchllm.model.loader import describe_model
+from batchllm.plan_report import memory_report
 from kernels.reference.paged_attention import paged_attention_ref
 
 KV_MARGIN = 0.5  # logits; measured worst 0.28 (module docstring)
@@ -140,8 +140,11 @@ def test_the_pool_and_the_plan_count_one_byte_a_value():
     assert pools["auto"].bytes_per_token == 2 * 2 * 2 * 16 * 2  # K and V, 2 layers, 2 heads of 16
     assert pools["fp8"].bytes_per_token * 2 == pools["auto"].bytes_per_token
     assert pools["fp8"].num_pages >= 1.9 * pools["auto"].num_pages
-    planned = {kv: describe_model(str(folder), "bfloat16", "cpu", kv)["kv_bytes_per_token"]
-               for kv in ("auto", "fp8")}
+    planned = {kv: memory_report(job_from_dict({
+        "name": "kv", "model": {"path": str(folder), "dtype": "bfloat16", "device": "cpu"},
+        "input": {"path": str(folder)}, "output": {"path": str(folder / "out.parquet")},
+        "sampling": {"max_tokens": 1}, "engine": {"kv_cache_dtype": kv}}))[0]["kv_bytes_per_token"]
+        for kv in ("auto", "fp8")}
     assert planned == {"auto": pools["auto"].bytes_per_token,
                        "fp8": pools["fp8"].bytes_per_token}
 

@@ -1,8 +1,11 @@
 """The config and the tokenizer without transformers on a warm start (model/hf_cache.py,
 model/tokenizer.py): what the cache serves equals what transformers gives — every config
 attribute batchllm reads, for every family; token ids, decoded text and rendered chat templates
-on the real SmolLM2 tokenizer, a tiny model's, and one whose config adds tokens that
-tokenizer.json lacks — and a warm load imports no transformers."""
+on the real SmolLM2 tokenizer (byte-level BPE), a tiny model's, one whose config adds tokens
+that tokenizer.json lacks, a sentencepiece-style Unigram with Metaspace and a BOS post-processor
+(Llama 2, Mistral, Gemma's kind) and a word-level one, all made offline; a tokenizer whose
+decoding transformers cleans up is transformers' own — and a warm load that renders no chat
+template imports no transformers."""
 
 from __future__ import annotations
 
@@ -89,10 +92,44 @@ def extra_tokens_folder(tmp_path_factory: pytest.TempPathFactory, smollm2_folder
     return folder
 
 
-@pytest.fixture(params=["smollm2", "tiny", "extra"])
-def tokenizer_folder(request, smollm2_folder: Path, extra_tokens_folder: Path) -> Path:
+CORPUS = ["The parties agree that the Provider shall deliver the goods.",
+          "Who pays the fees? The buyer pays, unless the seller is late.",
+          "naïve café — 東京 🙂 notice must be given in writing", "x" * 40] * 20
+
+
+def _trained_folder(folder: Path, kind: str) -> Path:
+    """A tokenizer trained here on CORPUS (tokenizers' own trainers), saved by transformers."""
+    from hf_reference import offline_tokenizer
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    if kind == "wordlevel":
+        hf = offline_tokenizer(64)
+    else:
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer, tok.decoder = pre_tokenizers.Metaspace(), decoders.Metaspace()
+        tok.train_from_iterator(CORPUS, trainers.UnigramTrainer(
+            vocab_size=180, special_tokens=["<unk>", "<s>", "</s>"], unk_token="<unk>"))
+        tok.post_processor = processors.TemplateProcessing(
+            single="<s> $A", pair="<s> $A <s> $B", special_tokens=[("<s>", 1)])
+        hf = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                                     unk_token="<unk>")
+    hf.chat_template = TEMPLATES["llama3"]
+    hf.save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture(scope="module")
+def trained_folders(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return {kind: _trained_folder(tmp_path_factory.mktemp(kind), kind)
+            for kind in ("unigram", "wordlevel")}
+
+
+@pytest.fixture(params=["smollm2", "tiny", "extra", "unigram", "wordlevel"])
+def tokenizer_folder(request, smollm2_folder: Path, extra_tokens_folder: Path,
+                     trained_folders: dict[str, Path]) -> Path:
     return {"smollm2": smollm2_folder, "tiny": tiny_model_folder("llama"),
-            "extra": extra_tokens_folder}[request.param]
+            "extra": extra_tokens_folder, **trained_folders}[request.param]
 
 
 def test_cached_tokenizer_equals_transformers(tokenizer_folder: Path) -> None:
@@ -125,23 +162,46 @@ def test_the_extra_tokens_are_transformers_not_the_raw_file(extra_tokens_folder:
     assert ours("a <|tool|>")["input_ids"] != raw.encode("a <|tool|>").ids
 
 
+def test_a_tokenizer_transformers_cleans_up_is_transformers(tmp_path: Path) -> None:
+    """WordPiece with clean_up_tokenization_spaces: transformers' decode does more than its
+    backend's, so the run uses transformers' tokenizer itself, warm or cold."""
+    from tokenizers import Tokenizer, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.train_from_iterator(CORPUS, trainers.WordPieceTrainer(vocab_size=120,
+                                                              special_tokens=["[UNK]"]))
+    PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]",
+                            clean_up_tokenization_spaces=True).save_pretrained(tmp_path)
+    for _ in range(2):
+        loaded = tokenizer.load(tmp_path)
+        assert not isinstance(loaded, tokenizer.Tokenizer)
+        ids = loaded("Who pays ? The buyer .")["input_ids"]
+        assert loaded.decode(ids) == AutoTokenizer.from_pretrained(tmp_path).decode(ids)
+
+
 def test_a_warm_load_imports_no_transformers(tmp_path: Path) -> None:
+    """Loading, encoding and decoding; a chat template is transformers' to render
+    (model/chat_template.py says why), so rendering one imports it."""
     folder = tmp_path / "m"
     shutil.copytree(tiny_model_folder("llama"), folder)
     script = (
         "import sys; from batchllm.model.loader import load_model\n"
         f"m = load_model({str(folder)!r}, 'float32', 'cpu')\n"
-        "m.tokenizer(['some text'], add_special_tokens=True)\n"
+        "m.tokenizer.decode(m.tokenizer(['some text'], add_special_tokens=True)['input_ids'][0])\n"
+        "def imported(): return sorted({n.split('.')[0] for n in sys.modules\n"
+        "                               if n.startswith('transformers')})\n"
+        "before = imported()\n"
         "m.tokenizer.apply_chat_template([[{'role': 'user', 'content': 'x'}]], tokenize=False,\n"
         "                                add_generation_prompt=True)\n"
-        "print(type(m.tokenizer).__name__, sorted({n.split('.')[0] for n in sys.modules\n"
-        "      if n.startswith('transformers')}))\n")
+        "print(type(m.tokenizer).__name__, before, imported())\n")
     env = {**os.environ, "BATCHLLM_CACHE": str(tmp_path / "cache")}
     run = [sys.executable, "-c", script]
     cold = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
     warm = subprocess.run(run, env=env, capture_output=True, text=True, check=True).stdout
     assert "transformers" in cold
-    assert warm.split() == ["Tokenizer", "[]"]
+    assert warm.split() == ["Tokenizer", "[]", "['transformers']"]
 
 
 TEMPLATES = {

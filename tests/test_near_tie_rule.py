@@ -9,7 +9,7 @@ import math
 import pytest
 from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
 
-from batchllm.model.weights import load_tokenizer
+from batchllm.model.tokenizer import load_tokenizer
 
 STEPS = 24
 

@@ -13,7 +13,7 @@ from hf_reference import tiny_model_folder
 from job_files import run_cli
 
 from batchllm.config import SAMPLING_FIELDS, InputConfig, SamplingConfig
-from batchllm.model.weights import job_model
+from batchllm.model.loader import job_model
 from batchllm.rows.build import build_rows
 from batchllm.rows.openai_batch import parse_batch
 from batchllm.rows.openai_results import write_results
@@ -144,7 +144,7 @@ def test_results_lines_have_openai_shape():
 def test_results_carry_logprobs_in_openai_shape(smollm2_folder):
     """The `logprobs` column as OpenAI writes it: chat content entries with the token's text and
     bytes; completions' tokens / token_logprobs / top_logprobs."""
-    from batchllm.model.weights import load_tokenizer
+    from batchllm.model.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(smollm2_folder)
     hello, world = tokenizer.encode("Hello world", add_special_tokens=False)[:2]

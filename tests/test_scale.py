@@ -24,7 +24,7 @@ from job_files import output_row, tiny_job
 
 from batchllm.config import ConfigError, load_job
 from batchllm.job import run_job
-from batchllm.model.weights import load_tokenizer
+from batchllm.model.tokenizer import load_tokenizer
 from batchllm.plan_report import plan_job
 from batchllm.resume import job_fingerprint
 from batchllm.rows.reader import read_input

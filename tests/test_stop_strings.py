@@ -13,7 +13,7 @@ from hf_reference import smollm2_folder
 
 from batchllm.engine.request import Kind, Sequence
 from batchllm.engine.stopping import StopChecker
-from batchllm.model.weights import load_tokenizer
+from batchllm.model.tokenizer import load_tokenizer
 from batchllm.sampling_params import SamplingParams
 
 EOS = 2

@@ -143,7 +143,7 @@ def test_greedy_constrained_output_equals_transformers_under_the_same_mask(
     """One row of each kind against the brute-force reference, over their first 24 tokens."""
     rows, table, _ = structured_job
     out = table.to_pylist()
-    from batchllm.model.weights import load_tokenizer
+    from batchllm.model.tokenizer import load_tokenizer
     from batchllm.rows.prompts import conversation, render_chats, tokenize
 
     tok = load_tokenizer(smollm2_folder)
@@ -164,7 +164,7 @@ def test_greedy_constrained_output_equals_transformers_under_the_same_mask(
 
 def test_grammar_cache_compiles_each_spec_once(smollm2_folder) -> None:
     from batchllm.engine.grammar import Grammars
-    from batchllm.model.weights import load_tokenizer
+    from batchllm.model.tokenizer import load_tokenizer
     from batchllm.sampling_params import SamplingParams
 
     g = Grammars(load_tokenizer(Path(smollm2_folder)), {2}, 49152)

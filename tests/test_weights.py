@@ -10,16 +10,13 @@ import pytest
 import torch
 from hf_reference import TINY_KINDS, hf_model, tiny_model_folder
 
-from batchllm.model import weights
-from batchllm.model.weights import (
-    MARKER,
-    ModelNotFoundError,
-    eos_token_ids,
-    load_config,
-    load_tokenizer,
-    load_weights,
-    resolve_model,
-)
+from batchllm.model import gguf as gguf_cache
+from batchllm.model.errors import ModelNotFoundError
+from batchllm.model.gguf import MARKER
+from batchllm.model.hf_cache import load_config
+from batchllm.model.resolve import resolve_model
+from batchllm.model.tokenizer import eos_token_ids, load_tokenizer
+from batchllm.model.weights import load_weights
 
 
 def _snapshot(folder: Path) -> dict[str, tuple[int, int, int]]:
@@ -41,7 +38,7 @@ def test_alias_resolves_once_then_reuses_cache(smollm2_folder: Path, monkeypatch
     def convert(*args) -> None:
         raise AssertionError(f"converted again: {args}")
 
-    monkeypatch.setattr(weights, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", convert)
     again = resolve_model("SmolLM2-135M-Instruct")  # case-insensitive alias
     assert again == smollm2_folder
     assert _snapshot(smollm2_folder) == files  # not one file rewritten
@@ -66,7 +63,7 @@ def test_smollm2_eos_and_tokenizer(smollm2_folder: Path) -> None:
 def test_missing_package_names_pip_command(monkeypatch, tmp_path: Path) -> None:
     monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path))
     monkeypatch.setitem(
-        weights.ALIASES, "test-alias", ("llm-no-such-pkg", "llm_no_such_pkg_xyz", "m.gguf")
+        gguf_cache.ALIASES, "test-alias", ("llm-no-such-pkg", "llm_no_such_pkg_xyz", "m.gguf")
     )
     with pytest.raises(ModelNotFoundError) as err:
         resolve_model("Test-Alias")
@@ -190,7 +187,7 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path: Path, monkeypatch) -
         for f in tiny_model_folder("llama").iterdir():
             shutil.copy(f, out / f.name)
 
-    monkeypatch.setattr(weights, "_convert_gguf", convert)
+    monkeypatch.setattr(gguf_cache, "_convert_gguf", convert)
     gguf = tmp_path / "models" / "Tiny-Q4.gguf"
     gguf.parent.mkdir()
     gguf.write_bytes(b"GGUF")
@@ -213,10 +210,25 @@ def test_a_gguf_file_transformers_cannot_read_is_a_model_error(tmp_path, monkeyp
 
 def test_longrope_limits_the_length_to_the_short_factors_range() -> None:
     from batchllm.model.errors import ModelError
-    from batchllm.model.weights import model_len_limit
+    from batchllm.model.loader import model_len_limit
 
     config = load_config(tiny_model_folder("phi3"))  # longrope, original 128 of 512
     assert model_len_limit(config) == 128 and model_len_limit(config, 100) == 100
     with pytest.raises(ModelError, match="model.max_model_len: 129 exceeds the model's limit of "
                                          "128 \\(longrope scaling: transformers switches"):
         model_len_limit(config, 129)
+
+
+def test_a_part_is_the_slice_of_the_whole_tensor() -> None:
+    """What a tensor-parallel rank will read of its share (safe_open's get_slice)."""
+    from batchllm.model.weights import Checkpoint
+
+    checkpoint = Checkpoint(tiny_model_folder("qwen2"), torch.float32, "cpu")
+    for name, dim in [("model.layers.0.self_attn.q_proj.weight", 0),
+                      ("model.layers.0.self_attn.o_proj.weight", 1),
+                      ("model.layers.1.self_attn.k_proj.bias", 0)]:
+        whole = checkpoint.read(name)
+        for index, piece in enumerate(whole.chunk(2, dim)):
+            assert torch.equal(checkpoint.read(name, (dim, index, 2)), piece), (name, index)
+    with pytest.raises(ValueError, match="do not split in 3 equal parts"):
+        checkpoint.read("model.layers.0.self_attn.q_proj.weight", (0, 0, 3))

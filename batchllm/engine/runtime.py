@@ -69,7 +69,8 @@ class Runtime:
         """Load `model` (a built-in alias or a Hugging Face folder) and size its KV pool."""
         s = settings
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
-        loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.quantization)
+        loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.revision,
+                            s.quantization)
         kv_dtype = kv_cache_dtype(s.kv_cache_dtype, loaded.model.dtype)
         bytes_per_token = loaded.model.shape.kv_bytes_per_token(kv_dtype)
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)

@@ -4,20 +4,23 @@ and the checkpoint lacks, or one the checkpoint has and the family never takes, 
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
 
 from batchllm.model.errors import ModelError
+from batchllm.model.shards import tensor_files, weight_files
 
 
 class Tensors:
-    """Takes tensors out of a state dict by their checkpoint names (weights.load_weights)."""
+    """Takes tensors out of a state by their checkpoint names: a dict, or a weights.Checkpoint
+    whose tensors are read as they are taken (one at a time, in the order the model is built)."""
 
-    def __init__(self, state: dict[str, torch.Tensor], family: str,
+    def __init__(self, state: Mapping[str, torch.Tensor], family: str,
                  folder: Path | None = None) -> None:
-        self._left = dict(state)
+        self._state = state
+        self._left = set(state)
         self._family = family
         self._folder = folder
 
@@ -31,7 +34,8 @@ class Tensors:
             where = f"{self._folder}: " if self._folder else ""
             raise ModelError(f"model.path: {where}tensor {name!r} is missing from {files} "
                              f"(the {self._family} family needs it)")
-        return self._left.pop(name)
+        self._left.remove(name)
+        return self._state[name]
 
     def take_all(self, names: list[str]) -> list[torch.Tensor]:
         return [self.take(n) for n in names]
@@ -48,13 +52,9 @@ class Tensors:
                          f"{listed}{more}: not part of a {self._family} model")
 
     def _files(self) -> list[Path]:
-        return sorted(self._folder.glob("*.safetensors")) if self._folder else []
+        return weight_files(self._folder) if self._folder else []
 
     def _owners(self, names: list[str]) -> dict[str, str]:
-        """Which file holds each name (the safetensors headers only)."""
-        owners = {}
-        for path in self._files():
-            with safe_open(path, "pt") as f:
-                held = set(f.keys())  # a safetensors file is not a dict: no `in f`
-            owners.update({n: path.name for n in names if n in held})
-        return owners
+        """Which file holds each name (the index, or the safetensors headers only)."""
+        owners = tensor_files(self._folder) if self._folder else {}
+        return {n: owners[n].name for n in names if n in owners}

@@ -16,6 +16,7 @@ each a scalar (strategy "tensor": one per layer) or one per KV head (strategy "a
 from __future__ import annotations
 
 import re
+from collections.abc import MutableMapping
 from dataclasses import dataclass
 
 import torch
@@ -46,7 +47,16 @@ def keeps_dtype(name: str, tensor: torch.Tensor) -> bool:
     return tensor.element_size() == 1 or name.endswith(_SCALE_SUFFIXES)
 
 
-def take_kv_scales(state: dict[str, torch.Tensor], num_layers: int,
+def _is_fp8(state: MutableMapping, name: str) -> bool:
+    """Whether `name` is stored in e4m3, asked of the file's header where the state can tell
+    (a weights.Checkpoint: the tensor is then not read), else of the tensor."""
+    if name in getattr(state, "files", {}) and hasattr(state, "stored_dtype"):
+        return state.stored_dtype(name) == "F8_E4M3"
+    value = state[name]
+    return isinstance(value, torch.Tensor) and value.dtype == FP8
+
+
+def take_kv_scales(state: MutableMapping, num_layers: int,
                    num_kv_heads: int) -> KvScales | None:
     """The checkpoint's KV scales, removed from `state` (None where it has none)."""
     found = {}
@@ -93,7 +103,7 @@ def _blocks(q: dict) -> tuple[int, int] | None:
     return None
 
 
-def _record(name: str, q: torch.Tensor, state: dict, blocks: tuple[int, int] | None,
+def _record(name: str, q: torch.Tensor, state: MutableMapping, blocks: tuple[int, int] | None,
             scale_ub: float) -> Fp8Weight:
     """The record of FP8 weight `name` (its scale taken out of `state`)."""
     base = name.removesuffix("weight")
@@ -123,7 +133,7 @@ def _record(name: str, q: torch.Tensor, state: dict, blocks: tuple[int, int] | N
                      f"{blocks}")
 
 
-def take_fp8_weights(config, state: dict, quantization: str | None, dtype: torch.dtype,
+def take_fp8_weights(config, state: MutableMapping, quantization: str | None, dtype: torch.dtype,
                      partial_rotary: bool = False) -> None:
     """In place: each FP8 projection of `state` (and its scale tensors) becomes an Fp8Weight
     under the weight's name; an FP8 weight no record serves is dequantized into `dtype`
@@ -141,11 +151,13 @@ def take_fp8_weights(config, state: dict, quantization: str | None, dtype: torch
     def served(name: str) -> bool:
         return bool(PROJECTION.match(name)) and not (partial_rotary and ".self_attn." in name)
 
-    for name in [n for n, t in state.items() if t.dtype == FP8]:
+    for name in [n for n in state if _is_fp8(state, n)]:
         record = _record(name, state[name], state, blocks, scale_ub)
         state[name] = record if served(name) else record.dequantize(dtype)
     if quantization == "fp8":
-        for name in [n for n in state if served(n) and isinstance(state[n], torch.Tensor)]:
-            state[name] = quantize(state[name])
+        for name in [n for n in state if served(n)]:
+            weight = state[name]  # read once: a bf16 checkpoint's weight, one at a time
+            if isinstance(weight, torch.Tensor):
+                state[name] = quantize(weight)
     elif quantization is not None:
         raise ModelError(f"model.quantization: expected null or fp8, got {quantization!r}")

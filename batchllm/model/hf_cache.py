@@ -19,13 +19,14 @@ import contextlib
 import hashlib
 import importlib.metadata
 import json
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
+from batchllm.model.cache_dir import cache_root
+from kernels.atomic_write import write_atomic
+
 # Every attribute of a config that batchllm's model code reads (families.py, rotary.py,
-# decoder.py, weights.py, experts.py); tests/test_config_cache.py checks the code against it.
+# decoder.py, loader.py, experts.py); tests/test_hf_cache.py checks the code against it.
 READS = (
     "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
     "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size",
@@ -61,8 +62,6 @@ def _transformers_version() -> str:
 
 def cache_file(kind: str, key: bytes) -> Path:
     """cache_root()/hf/<kind>-<digest of key and the transformers version>.json"""
-    from batchllm.model.weights import cache_root  # weights imports this module
-
     digest = hashlib.sha256(key + b"\0" + _transformers_version().encode()).hexdigest()[:32]
     return cache_root() / "hf" / f"{kind}-{digest}.json"
 
@@ -105,20 +104,14 @@ def _default_rope(params: Any) -> bool:
 
 
 def write(path: Path, values: Any) -> None:
-    """Atomically (temporary file, then rename); a cache that cannot be written is skipped."""
+    """Atomically (kernels/atomic_write.py; a cache: not synced); one that cannot be written
+    is skipped."""
     try:
         text = values if isinstance(values, str) else json.dumps(values, sort_keys=True)
     except (TypeError, ValueError):  # a value JSON cannot hold: transformers at every load
         return
-    tmp = None
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.tmp-", dir=path.parent)
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        write_atomic(path, lambda f: f.write(text.encode()), mode=0o644, durable=False)
     except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+        pass

@@ -9,20 +9,17 @@ from pathlib import Path
 
 import torch
 
-from batchllm.model import attention, panel_cache
+from batchllm.model import panel_cache
+from batchllm.model import tokenizer as tokenizers
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
 from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_scales
-from batchllm.model.rotary import head_permutation
-from batchllm.model.weights import (
-    eos_token_ids,
-    load_config,
-    load_weights,
-    model_len_limit,
-    resolve_model,
-    run_tokenizer,
-)
+from batchllm.model.hf_cache import load_config
+from batchllm.model.resolve import resolve_model
+from batchllm.model.rotary import head_permutation, position_limit
+from batchllm.model.tokenizer import eos_token_ids
+from batchllm.model.weights import give_back_freed_heap, load_weights
 
 
 @dataclass
@@ -65,35 +62,45 @@ def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}[dtype]
 
 
-def describe_model(path: str, dtype: str = "auto", device: str = "auto",
-                   kv_cache_dtype: str = "auto") -> dict[str, object]:
-    """What `batchllm plan` says of the model without loading its weights: the family and the
-    KV cache bytes per token in the dtype a run would use (engine.kv_cache_dtype's)."""
-    config = load_config(resolve_model(path))
-    planned = torch.device("cuda" if device == "cuda" or (
-        device == "auto" and torch.cuda.is_available()) else "cpu")
-    kv_dtype = attention.kv_cache_dtype(kv_cache_dtype, pick_dtype(dtype, planned))
-    return {"model_family": describe(config).summary(),
-            "kv_bytes_per_token": model_shape(config).kv_bytes_per_token(kv_dtype)}
+def model_len_limit(config, requested: int | None = None) -> int:
+    """The longest sequence (prompt and completion) a run allows: the model's own limit, or
+    model.max_model_len when the job asks for less. Phi-3's longrope models stop at
+    original_max_position_embeddings (model/rotary.py says why)."""
+    limit, why = position_limit(config)
+    if requested is not None and requested > limit:
+        raise ModelError(f"model.max_model_len: {requested} exceeds the model's limit of {limit}"
+                         + (f" ({why})" if why else ""))
+    return limit if requested is None else requested
+
+
+def job_model(path: str, requested_len: int | None, revision: str | None = None):
+    """What planning a job needs of its model without loading the weights: the tokenizer and
+    the length limit (model_len_limit). An unsupported family fails here, before any row is
+    tokenized."""
+    folder = resolve_model(path, revision)
+    config = load_config(folder)
+    describe(config)
+    return tokenizers.load(folder), model_len_limit(config, requested_len)
 
 
 def load_model(
     path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
-    quantization: str | None = None,
+    revision: str | None = None, quantization: str | None = None,
 ) -> LoadedModel:
-    """`path` is a built-in alias or a local Hugging Face folder; quantization: None (as the
-    checkpoint is) or "fp8" (its projections quantized at load)."""
+    """The model at `path` (resolve.resolve_model says what it may be), ready to run;
+    quantization: None (as the checkpoint is) or "fp8" (its projections quantized at load)."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
-    folder = resolve_model(path)
+    folder = resolve_model(path, revision)
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
     shape = model_shape(config)
     kv_scales = take_kv_scales(state, shape.num_layers, shape.num_kv_heads)  # fp8_checkpoint.py
     take_fp8_weights(config, state, quantization, dt, head_permutation(config) is not None)
     limit = model_len_limit(config, max_model_len)
-    tokenizer = run_tokenizer(folder)
+    tokenizer = tokenizers.load(folder)
     model, cached = _build(config, state, limit, folder)
+    give_back_freed_heap()  # what the last layers' packing freed
     return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                        str(path), dev, limit, cached, kv_scales=kv_scales)
 

@@ -10,7 +10,7 @@ of splitting (and first touches of 425 MB of fresh pages) and ~0.09 s of finding
 every load; a warm start maps all of them and computes none.
 
 One file per model folder: `batchllm_panels.bin` inside a folder batchllm converted itself (the
-GGUF cache, weights.py), else under cache_root()/panels/ (a user's own folder, or a read-only
+GGUF cache, gguf.py), else under cache_root()/panels/ (a user's own folder, or a read-only
 one, is never written into); its format is panel_file.py's. The header carries the key (each
 *.safetensors file's path, size, mtime_ns and inode, a digest of config.json, the layout: panel
 width, dtype, LAYOUT_VERSION, and a digest of the code, Python and C, that lays it out) and one
@@ -88,7 +88,7 @@ def source_key(folder: Path) -> dict:
 def cache_paths(folder: Path) -> list[Path]:
     """Where the panel file of `folder` may live, in the order tried: inside a folder batchllm
     made (the GGUF cache), then under cache_root()/panels/."""
-    from batchllm.model.weights import cache_root  # weights imports transformers: not at import
+    from batchllm.model.cache_dir import cache_root
 
     folder = folder.resolve()
     root = cache_root().resolve()
@@ -168,7 +168,7 @@ class PanelStore:
 def _sweep(folder: Path) -> None:
     """Remove the panel files of model folders that are gone (each as large as the model's
     projections) and the temporary files of writers killed an hour ago or more."""
-    from batchllm.model.weights import remove_stale_temps
+    from batchllm.model.cache_dir import remove_stale_temps
 
     remove_stale_temps(folder, FILE_NAME)
     if folder.name != "panels":

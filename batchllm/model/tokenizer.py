@@ -11,7 +11,8 @@ folder builds them through transformers, later loads read the cache (0.07 s inst
 clean-up of decoded spaces), it is used itself. Chat templates: chat_template.py.
 
 Anything else of transformers' tokenizer API is there too: Tokenizer passes it to the real
-tokenizer, built on first use.
+tokenizer, built on first use. Also here: transformers' own tokenizer (the tests' reference) and
+the token ids that end a sequence.
 """
 
 from __future__ import annotations
@@ -24,6 +25,8 @@ from typing import Any
 
 from batchllm.model import chat_template as templates
 from batchllm.model import hf_cache
+from batchllm.model.errors import ModelNotFoundError
+from batchllm.model.resolve import resolve_model
 
 _WEIGHTS = (".safetensors", ".bin", ".gguf", ".pt", ".pth", ".h5", ".msgpack", ".onnx")
 
@@ -51,7 +54,8 @@ class Tokenizer:
     def __call__(self, text: str | list[str], add_special_tokens: bool = True) -> dict:
         """{"input_ids": ids} of one text, or a list of them of a list of texts."""
         texts = [text] if isinstance(text, str) else list(text)
-        ids = [e.ids for e in self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)]
+        encoded = self._backend.encode_batch(texts, add_special_tokens=add_special_tokens)
+        ids = [e.ids for e in encoded]
         return {"input_ids": ids[0] if isinstance(text, str) else ids}
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -102,20 +106,18 @@ def _key(folder: Path) -> bytes:
 
 
 def load(folder: Path):
-    """The folder's tokenizer: a Tokenizer from the cache, else transformers' (whose backend
-    and settings are cached then, where its backend alone gives the same results)."""
+    """The fast tokenizer a run uses: a Tokenizer from the cache, else transformers' (whose
+    backend and settings are cached then, where its backend alone gives the same results)."""
     path = hf_cache.cache_file("tokenizer", _key(folder))
     backend = path.with_suffix(".backend.json")
     with contextlib.suppress(OSError, ValueError, KeyError):
         state = json.loads(path.read_text())
         if state["exact"] and backend.is_file():
             return Tokenizer(folder, state, backend)
-    from transformers import AutoTokenizer
-
-    hf = AutoTokenizer.from_pretrained(folder)
+    hf = load_tokenizer(folder)
     # the clean-up of decoded spaces is skipped for BPE models (transformers' _decode)
-    exact = bool(hf.is_fast and not (hf.clean_up_tokenization_spaces and type(
-        hf.backend_tokenizer.model).__name__ != "BPE"))
+    exact = not (hf.clean_up_tokenization_spaces
+                 and type(hf.backend_tokenizer.model).__name__ != "BPE")
     state = {"exact": exact}
     if exact:
         try:
@@ -129,3 +131,49 @@ def load(folder: Path):
         hf_cache.write(backend, hf.backend_tokenizer.to_str())
     hf_cache.write(path, state)  # last: its presence says the backend file is complete
     return hf
+
+
+def load_tokenizer(folder: Path):
+    """The folder's fast tokenizer, transformers' own (AutoTokenizer)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folder)
+    if not tokenizer.is_fast:
+        raise ModelNotFoundError(f"model.path: {folder}: no fast tokenizer (tokenizer.json)")
+    return tokenizer
+
+
+def lazy_token_text(path: str, revision: str | None = None):
+    """`text(token_id) -> str` for the model at `path` (an alias, folder, file or hub id); the
+    tokenizer is loaded at the first call, so a caller that never asks loads none."""
+    tokenizer = None
+
+    def text(token_id: int) -> str:
+        nonlocal tokenizer
+        if tokenizer is None:
+            tokenizer = load(resolve_model(path, revision))
+        return tokenizer.decode([token_id])
+
+    return text
+
+
+def eos_token_ids(folder: Path, config: Any, tokenizer: Any) -> set[int]:
+    """Token ids that end a sequence: generation_config.json's eos_token_id (int or list; the
+    model config's when that file has none) plus the tokenizer's eos token.
+
+    The HF reference in the tests passes this same set to `generate`.
+    """
+    ids: set[int] = set()
+    gen_file = Path(folder) / "generation_config.json"
+    gen_eos = None
+    if gen_file.is_file():
+        gen_eos = json.loads(gen_file.read_text()).get("eos_token_id")
+    if gen_eos is None:
+        gen_eos = getattr(config, "eos_token_id", None)
+    if isinstance(gen_eos, int):
+        ids.add(gen_eos)
+    elif gen_eos is not None:
+        ids.update(int(i) for i in gen_eos)
+    if tokenizer.eos_token_id is not None:
+        ids.add(int(tokenizer.eos_token_id))
+    return ids

@@ -19,7 +19,7 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from batchllm.config import JobConfig
-from batchllm.model.weights import job_model
+from batchllm.model.loader import job_model
 from batchllm.plan.partition import common_tokens
 from batchllm.plan.shards import shard_prefill
 from batchllm.progress import Progress
@@ -84,7 +84,7 @@ def _absolute_paths(cfg: JobConfig) -> JobConfig:
 
 def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[Work, JobShards]:
     """engine.sharding: tree: the driver tokenizes and plans the whole job and cuts the plan."""
-    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    tokenizer, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     rows = build_rows(tokenizer, cfg.input, cfg.sampling, source,
                       keep_prompt=cfg.output.include_prompt)
     job = shard_job(rows, cfg, limit, cfg.engine.workers)
@@ -97,7 +97,7 @@ def _tree_work(cfg: JobConfig, source: InputRows) -> tuple[Work, JobShards]:
 
 def _partition_work(cfg: JobConfig, index: InputIndex) -> tuple[Work, Partitions]:
     """engine.sharding: partition: tasks tokenize and range-partition; workers plan."""
-    _, limit = job_model(cfg.model.path, cfg.model.max_model_len)
+    _, limit = job_model(cfg.model.path, cfg.model.max_model_len, cfg.model.revision)
     parts = partition_rows(cfg, index, cfg.engine.workers, limit)
 
     def call(actor, k: int, done: set[int]):

@@ -28,16 +28,17 @@ from batchllm.scale.shard import Shard
 
 
 @functools.cache
-def _tokenizer(model_path: str):
-    from batchllm.model.weights import load_tokenizer, resolve_model
+def _tokenizer(model_path: str, revision: str | None):
+    from batchllm.model.resolve import resolve_model
+    from batchllm.model.tokenizer import load_tokenizer
 
-    return load_tokenizer(resolve_model(model_path))
+    return load_tokenizer(resolve_model(model_path, revision))
 
 
 def tokenize_block(cfg: JobConfig, block: InputBlock, max_samples: int,
                    max_model_len: int) -> tuple[Shard, BlockSample]:
     """A block's rows (indices over all files), admitted, and its sample."""
-    rows = build_rows(_tokenizer(cfg.model.path), cfg.input, cfg.sampling,
+    rows = build_rows(_tokenizer(cfg.model.path, cfg.model.revision), cfg.input, cfg.sampling,
                       read_block(cfg.input, block), block.first_row, cfg.output.include_prompt)
     admit(rows, max_model_len)  # what the worker's run will admit: sampled and routed alike
     return Shard(-1, rows), sample_block(rows, max_samples)

@@ -11,7 +11,9 @@ from pathlib import Path
 
 import torch
 
-from batchllm.model.weights import eos_token_ids, load_config, load_tokenizer, resolve_model
+from batchllm.model.hf_cache import load_config
+from batchllm.model.resolve import resolve_model
+from batchllm.model.tokenizer import eos_token_ids, load_tokenizer
 
 from .baselines import has_continuous_batching, hf_continuous, hf_static, load_hf_model
 from .batchllm_run import run_batchllm

@@ -41,7 +41,7 @@ def _run_one(name: str, args: argparse.Namespace, workload: Path, tmp: Path) -> 
     out = tmp / name
     out.mkdir(exist_ok=True)
     if name == "hf-static":
-        from batchllm.model.weights import resolve_model  # the folder only: not in the timing
+        from batchllm.model.resolve import resolve_model  # the folder only: not in the timing
 
         cmd = [sys.executable, str(HERE / "hf_job.py"), str(workload),
                str(resolve_model(args.model)), str(out / "hf.json"),
