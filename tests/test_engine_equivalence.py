@@ -175,6 +175,7 @@ def test_greedy_matches_under_preemption(kind: str, sharing: bool, page_size: in
     assert metrics["kv_pages_peak"] <= pages
 
 
+@pytest.mark.slow  # loads the real SmolLM2 model
 def test_smollm2_real_prompts_match_transformers(smollm2_folder) -> None:
     llm = LLM("smollm2-135m-instruct", dtype="float32", device="cpu")
     questions = [

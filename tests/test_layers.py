@@ -1,6 +1,8 @@
-"""Imports run one way: each module imports only from its own layer or the layers below it.
+"""Imports run one way: each module imports only from its own layer or the layers below it, and no
+modules import each other in a circle.
 
-Every import counts, also one inside a function (a lazy import is still a dependency).
+Every import counts, also one inside a function or under TYPE_CHECKING (a lazy import is still a
+dependency).
 """
 
 from __future__ import annotations
@@ -67,6 +69,63 @@ def sources() -> list[Path]:
     return sorted(p for d in ("batchllm", "kernels") for p in (ROOT / d).rglob("*.py"))
 
 
+def import_graph() -> dict[str, set[str]]:
+    """Module -> the modules of ours it imports, anywhere in the file. `from pkg import x` is an
+    arrow to pkg.x when that is a module, else to pkg (its __init__)."""
+    ours = {module_name(p): p for p in sources()}
+    graph = {}
+    for name, path in ours.items():
+        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+        targets = set()
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Import):
+                targets.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                    base = ".".join(up + ([base] if base else []))
+                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in ours else base
+                               for a in node.names)
+        graph[name] = {t for t in targets if t in ours and t != name}
+    return graph
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The strongly connected components with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                found.append(sorted(component))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return sorted(found)
+
+
 def test_every_module_has_a_layer():
     assert [module_name(p) for p in sources() if layer_of(module_name(p)) is None] == []
 
@@ -97,3 +156,24 @@ def test_plan_and_rows_import_without_torch_or_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+# Circles still on this branch, fixed in other branches (step: engine/runner <-> device_runner;
+# tp and cpu: model/decoder <-> cpu_layers). The lead empties this list at merge; the test then
+# asks for no circle at all.
+KNOWN_CIRCLES: list[list[str]] = [
+    ["batchllm.engine.device_runner", "batchllm.engine.runner"],
+    ["batchllm.model.cpu_layers", "batchllm.model.decoder"],
+]
+
+
+def test_no_modules_import_each_other_in_a_circle():
+    found = circles(import_graph())
+    assert [c for c in found if c not in KNOWN_CIRCLES] == []
+    assert [c for c in KNOWN_CIRCLES if c not in found] == []  # fixed: take it off the list
+
+
+def test_the_circle_finder_finds_a_lazy_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": set()}
+    assert circles(graph) == [["a", "b", "c"]]
+    assert circles({"a": {"b"}, "b": set()}) == []

@@ -57,6 +57,7 @@ def tokens(outs) -> list[list[list[int]]]:
     return [[c.token_ids for c in o.outputs] for o in outs]
 
 
+@pytest.mark.slow  # loads the real SmolLM2 model
 @pytest.mark.parametrize("temperature", [0.0, 0.7])
 def test_logprobs_equal_transformers_log_softmax(smol: LLM, smollm2_folder,
                                                  temperature: float) -> None:
@@ -78,6 +79,7 @@ def test_logprobs_equal_transformers_log_softmax(smol: LLM, smollm2_folder,
                 assert lp.logprob == values[0]  # greedy: the chosen token is the top one
 
 
+@pytest.mark.slow  # loads the real SmolLM2 model
 def test_logprobs_of_a_constrained_row_are_over_the_allowed_tokens(smol: LLM,
                                                                    smollm2_folder) -> None:
     """After the mask: the alternatives are allowed tokens only, renormalized among them."""

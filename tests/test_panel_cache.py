@@ -176,6 +176,7 @@ def test_warm_load_maps_parts_and_blocks_and_makes_none(
     assert_logits_equal_transformers(warm, q4_folder)
 
 
+@pytest.mark.slow  # loads the real SmolLM2 model
 def test_real_checkpoint_served_bit_for_bit(smollm2_folder: Path, tmp_path: Path,
                                             made: dict[str, list[int]], tiles: None,
                                             monkeypatch: pytest.MonkeyPatch) -> None:

@@ -102,6 +102,7 @@ def test_blocks_of_another_weight_or_without_the_parts_are_refused():
         cpu_linear.linear(torch.randn(2, 64), panels, None, 64, three, blocks)
 
 
+@pytest.mark.slow  # loads the real SmolLM2 model
 def test_smollm2s_layers_are_found_as_blocks(smollm2_folder):
     """Every projection of the real checkpoint (Q4_1 in its GGUF) is taken as blocks at load,
     and the lm_head (Q8_0) is not; a layer's product from them is its parts' bit for bit."""

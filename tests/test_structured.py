@@ -17,6 +17,8 @@ from hf_reference import assert_tokens_match, first_divergence
 
 from batchllm.job import run_job
 
+pytestmark = pytest.mark.slow  # a job on the real SmolLM2 model
+
 PERSON = {  # the job-wide schema, given as a file
     "type": "object",
     "properties": {
