@@ -108,12 +108,29 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
            **_batched(lambda t: tokenize(tokenizer, t, False), rendered, errors, failed)}
     row_ids = rows.ids.to_pylist()
     out = []
+    distinct: dict[tuple, SamplingParams] = {}  # rows with the same settings share one object
+    columns = list(rows.overrides.values())
     for i in range(rows.num_rows):
         try:
-            sp = row_sampling(sampling, rows.overrides, i)
+            sp = _shared(distinct, tuple((type(c[i]), c[i]) for c in columns),
+                         lambda: row_sampling(sampling, rows.overrides, i))
         except Exception as e:  # noqa: BLE001 - the guard of one row
             sp = SamplingParams()
             errors.setdefault(i, f"sampling override: {e}")
         out.append(Row(first_index + i, row_ids[i], ids.get(i), sp,
                        text.get(i) if keep_prompt else None, errors.get(i)))
     return out
+
+
+def _shared(distinct: dict[tuple, SamplingParams], cells: tuple,
+            make: Callable[[], SamplingParams]) -> SamplingParams:
+    """The SamplingParams of a row whose override cells are `cells` ((type, value) each: 1,
+    1.0 and True stay apart): one object per distinct cells (a million rows of one job share one); cells that cannot be hashed (a json_schema
+    object) get their own."""
+    try:
+        sp = distinct.get(cells)
+    except TypeError:  # an unhashable cell
+        return make()
+    if sp is None:
+        sp = distinct[cells] = make()
+    return sp
