@@ -1,6 +1,12 @@
-"""Host memory per row of a job: the peak resident set of a whole `run_job` in a fresh child
-process, at two sizes, and the growth per extra row (the difference cancels the model, torch and
-everything else a job holds whatever its size).
+"""Host memory per row of a job: the peak resident set of `run_job` in a fresh child process, at
+two sizes, and the growth per extra row (the difference cancels the model, torch and everything
+else a job holds whatever its size).
+
+Each child first runs a warm-up job of the same shape (WARM_ROWS rows: torch imported, the model
+loaded once, the allocator's arenas made), then resets its peak (/proc/self/clear_refs 5, which
+getrusage's ru_maxrss follows; the warm-up's objects, frozen by batchllm.collector, unfrozen and
+collected, so that the job reuses their memory) and runs the measured job: without it the start-up's transient
+peak (~600 MiB, varying by tens of MiB from run to run) hides the rows' share.
 
     python scripts/measure_row_memory.py [--rows 4000,24000] [--max-tokens 16] [--logprobs 5]
                                          [--out DIR]
@@ -14,7 +20,9 @@ row between the first and the last size. `child JOB` is the measuring child itse
 from __future__ import annotations
 
 import argparse
+import gc
 import json
+import os
 import resource
 import subprocess
 import sys
@@ -48,26 +56,46 @@ def write_job(folder: Path, rows: int, max_tokens: int, logprobs: int) -> Path:
         "output": {"path": str(folder / "out.parquet"), "mode": "overwrite"},
         "sampling": {"max_tokens": max_tokens, "temperature": 0.8, "seed": 1,
                      "logprobs": logprobs},
-        "engine": {"kv_cache_memory": "256MiB", "max_num_seqs": 256},
+        "engine": {"kv_cache_memory": "32MiB", "max_num_seqs": 64},
     }
     path = folder / "job.yaml"
     path.write_text(json.dumps(job))  # JSON is YAML
     return path
 
 
+WARM_ROWS = 64
+
+
 def child(job: str) -> None:
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
     from batchllm.job import run_job
 
+    warm = Path(job).parent / "warm"
+    warm.mkdir(exist_ok=True)
+    pq.write_table(pa.table({"id": [f"w{i}" for i in range(WARM_ROWS)],
+                             "prompt": prompts(WARM_ROWS)}), warm / "in.parquet")
+    spec = json.loads(Path(job).read_text())
+    spec.update(name="row-memory-warm-up", input={"path": str(warm / "in.parquet")},
+                output={"path": str(warm / "out.parquet"), "mode": "overwrite"})
+    (warm / "job.yaml").write_text(json.dumps(spec))
+    run_job(warm / "job.yaml", progress=False)
+    gc.unfreeze()  # what the warm-up froze (batchllm.collector) is freed, for the job to reuse
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # the peak starts again from here
     start = time.perf_counter()
     metrics = run_job(job, progress=False)
     print(json.dumps({"rows": metrics["rows"], "wall_s": round(time.perf_counter() - start, 1),
                       "peak_kib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss}))
 
 
-def measure(job: Path) -> dict:
-    """Runs the job in a fresh child; its rows, wall seconds and peak resident set (KiB)."""
+def measure(job: Path, checkpoint_rows: int = 256) -> dict:
+    """Runs the job in a fresh child (a part every `checkpoint_rows` rows); its rows, wall
+    seconds and peak resident set (peak_kib)."""
+    env = {**os.environ, "BATCHLLM_CHECKPOINT_ROWS": str(checkpoint_rows)}
     out = subprocess.run([sys.executable, __file__, "child", str(job)], check=True,
-                         capture_output=True, text=True)
+                         capture_output=True, text=True, env=env)
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 

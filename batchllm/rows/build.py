@@ -112,8 +112,16 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
     columns = list(rows.overrides.values())
     for i in range(rows.num_rows):
         try:
-            sp = _shared(distinct, tuple((type(c[i]), c[i]) for c in columns),
-                         lambda: row_sampling(sampling, rows.overrides, i))
+            # (type, value): 1, 1.0 and True stay apart
+            cells: tuple | None = tuple((type(c[i]), c[i]) for c in columns)
+            try:
+                sp = distinct.get(cells)
+            except TypeError:  # an unhashable cell (a json_schema object): its own settings
+                cells = sp = None
+            if sp is None:
+                sp = row_sampling(sampling, rows.overrides, i)
+                if cells is not None:
+                    distinct[cells] = sp
         except Exception as e:  # noqa: BLE001 - the guard of one row
             sp = SamplingParams()
             errors.setdefault(i, f"sampling override: {e}")
@@ -121,16 +129,3 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
                        text.get(i) if keep_prompt else None, errors.get(i)))
     return out
 
-
-def _shared(distinct: dict[tuple, SamplingParams], cells: tuple,
-            make: Callable[[], SamplingParams]) -> SamplingParams:
-    """The SamplingParams of a row whose override cells are `cells` ((type, value) each: 1,
-    1.0 and True stay apart): one object per distinct cells (a million rows of one job share one); cells that cannot be hashed (a json_schema
-    object) get their own."""
-    try:
-        sp = distinct.get(cells)
-    except TypeError:  # an unhashable cell
-        return make()
-    if sp is None:
-        sp = distinct[cells] = make()
-    return sp
