@@ -5,9 +5,12 @@ alternatives, on a tiny random Llama, at two sizes, each in a fresh child proces
 resource.getrusage); parts every 32 rows, so that both sizes write parts (Arrow's memory pool
 grows once, at the first one, by tens of MiB).
 
-A driver that kept every finished row's token ids, text and log-probabilities (Python objects:
-~16 x (TokenLogprob + 5 tuples)) measured ~BEFORE bytes per extra row; one that lets them go
-~AFTER (see the bound's comment).
+Measured (one run each, 2 contended cores): the driver that kept every finished row's token ids,
+text and log-probabilities (~13.4 KB of Python objects per row, by tracemalloc) grew 45,100 bytes
+per extra row at these sizes; with finished rows released, 15,500. The peak's run-to-run noise is
+tens of MiB, so at 800 extra rows this bound (about twice the measured figure) catches a driver
+that keeps its finished rows' results only with luck, and grosser growth surely; the 1-KiB goal
+is the script's, at 4,000 and 24,000 rows.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ sys.path.insert(0, str(ROOT / "scripts"))
 from measure_row_memory import measure, write_job
 
 SMALL, LARGE = 200, 1000
-BOUND = 4096  # bytes per extra row: see the module docstring
+BOUND = 32 * 1024  # bytes per extra row: measured 15,500 (module docstring)
 
 
 def test_peak_memory_per_extra_row(tmp_path: Path) -> None:
