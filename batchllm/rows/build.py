@@ -128,4 +128,3 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
         out.append(Row(first_index + i, row_ids[i], ids.get(i), sp,
                        text.get(i) if keep_prompt else None, errors.get(i)))
     return out
-
