@@ -270,8 +270,9 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
                           keep_prompt=cfg.output.include_prompt)
 
     def on_row(row) -> None:
-        writer.add(row)
+        writer.add(row)  # a copy, written with the next part
         bar.row_done(row)
+        row.release()  # the driver keeps no finished row's results until the end
 
     try:
         return runtime.run(rows, on_row, bar.step, skip=done)

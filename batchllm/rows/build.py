@@ -108,9 +108,20 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
            **_batched(lambda t: tokenize(tokenizer, t, False), rendered, errors, failed)}
     row_ids = rows.ids.to_pylist()
     out = []
+    distinct: dict[tuple, SamplingParams] = {}  # rows with the same settings share one object
+    columns = list(rows.overrides.values())
     for i in range(rows.num_rows):
         try:
-            sp = row_sampling(sampling, rows.overrides, i)
+            # (type, value): 1, 1.0 and True stay apart
+            cells: tuple | None = tuple((type(c[i]), c[i]) for c in columns)
+            try:
+                sp = distinct.get(cells)
+            except TypeError:  # an unhashable cell (a json_schema object): its own settings
+                cells = sp = None
+            if sp is None:
+                sp = row_sampling(sampling, rows.overrides, i)
+                if cells is not None:
+                    distinct[cells] = sp
         except Exception as e:  # noqa: BLE001 - the guard of one row
             sp = SamplingParams()
             errors.setdefault(i, f"sampling override: {e}")

@@ -105,6 +105,15 @@ class Row:
         self.cached_tokens = 0
         self.logprobs = [] if self.wants_logprobs else None
 
+    def release(self) -> None:
+        """The row is written (its part holds it): its token ids, text, log-probabilities and
+        prompt text go, so that a finished row holds no more memory than a waiting one (what
+        the run's metrics count, its prompt and cached tokens, stays)."""
+        self.token_ids = []
+        self.completion = None
+        self.logprobs = None
+        self.prompt = None
+
     def finish(self, token_ids: list[int], text: str, reason: str, cached_tokens: int,
                logprobs: list[TokenLogprob] | None = None) -> None:
         """The engine's result: the generated ids, their text, stop or length, and the tokens'
