@@ -81,7 +81,8 @@ class ShardWorker:
 
     def _row(self, row) -> None:
         self._progress += 1
-        self._writer.add(row)
+        self._writer.add(row)  # a copy, written with the next part
+        row.release()  # the worker keeps no finished row's results until the end
 
     def run_shard(self, shard: Shard) -> WorkerResult:
         """Run the shard's rows except `skip`; finished rows go to parts as they finish."""
