@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for a GPU machine without internet (torch, triton, transformers installed; no
-# vLLM), about 8 minutes on an H200, everything into $OUT/gpu_check.log when $OUT is set:
+# vLLM), about 7 minutes on an H200, everything into $OUT/gpu_check.log when $OUT is set:
 #   1. the CUDA tests, in parallel (kernels compiled in float32 and bfloat16; the Triton engine
 #      end to end with its decode graphs captured; the equivalence grid's CUDA cases), while
 #      random-weight models shaped like Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B are built
@@ -12,7 +12,7 @@
 #      graphs on and off, prefix sharing on and off; transformers `generate` in static batches
 #      and `generate_batch` (continuous batching) on the Qwen shape, on the first rows;
 #   3. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
-# Stages run under a budget (GPU_CHECK_BUDGET seconds, 470): one that would not fit is skipped,
+# Stages run under a budget (GPU_CHECK_BUDGET seconds, 400): one that would not fit is skipped,
 # and said so. Exit non-zero on any failed test, mismatch, timeout or skip.
 # $OUT (the device tool's folder; a temp folder without it) gets three files, rewritten as each
 # stage ends so that a timeout loses nothing: gpu_check.log, stages.json (each stage's rc,
@@ -32,7 +32,7 @@ PY=${PYTHON:-$(command -v python || command -v python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1  # today's default, stated to silence Triton's warning
 WORK=${GPU_CHECK_WORK:-/tmp/batchllm-gpu-check}
-BUDGET=${GPU_CHECK_BUDGET:-470}
+BUDGET=${GPU_CHECK_BUDGET:-400}
 SMOKE=${GPU_CHECK_SMOKE:-0}
 STEPS=$(mktemp -d)
 FAILED=0
