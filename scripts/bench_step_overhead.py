@@ -97,6 +97,7 @@ def main() -> None:
                        for i in range(m)]
         for k in (int(x) for x in a.logprobs.split(",")):
             sp = sampling(a.mix, m, a.tokens, k)
+            llm.generate(prompts, sampling(a.mix, m, 2, k))  # untimed warm-up at this size
             best = None
             for run in range(a.repeat + a.profile):  # the profiled run is an extra one
                 spent["forward"] = 0.0
