@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One command for a GPU machine without internet (torch, triton, transformers installed; no
-# vLLM), about 8 minutes on an H200, everything into $OUT/gpu_check.log when $OUT is set:
+# vLLM), about 7 minutes on an H200, everything into $OUT/gpu_check.log when $OUT is set:
 #   1. the CUDA tests, in parallel (kernels compiled in float32 and bfloat16; the Triton engine
 #      end to end with its decode graphs captured; the equivalence grid's CUDA cases), while
 #      random-weight models shaped like Qwen2.5-0.5B, Llama-3.2-1B and Llama-3.1-8B are built
@@ -12,8 +12,12 @@
 #      graphs on and off, prefix sharing on and off; transformers `generate` in static batches
 #      and `generate_batch` (continuous batching) on the Qwen shape, on the first rows;
 #   3. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
-# Stages run under a budget (GPU_CHECK_BUDGET seconds, 470): one that would not fit is skipped,
+# Stages run under a budget (GPU_CHECK_BUDGET seconds, 400): one that would not fit is skipped,
 # and said so. Exit non-zero on any failed test, mismatch, timeout or skip.
+# $OUT (the device tool's folder; a temp folder without it) gets three files, rewritten as each
+# stage ends so that a timeout loses nothing: gpu_check.log, stages.json (each stage's rc,
+# seconds and bench JSON) and gpu_check_logs.tar.gz (every stage's log and JSON). A preflight of
+# 20 s (scripts/gpu_preflight.py) stops the run at once. A setting that crashed is a failure.
 # Usage: bash scripts/gpu_check.sh                (from anywhere)
 #   PYTHON=/path/python   the interpreter (default: python on PATH)
 #   GPU_CHECK_SMOKE=1     a smoke run without a GPU: a tiny model and tiny jobs, the Triton
@@ -23,11 +27,12 @@ cd "$(dirname "$0")/.."
 LOG_DIR=${OUT:-$(mktemp -d)}
 mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/gpu_check.log"
+rm -f "$LOG_DIR/stages.json"
 PY=${PYTHON:-$(command -v python || command -v python3)}
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1  # today's default, stated to silence Triton's warning
 WORK=${GPU_CHECK_WORK:-/tmp/batchllm-gpu-check}
-BUDGET=${GPU_CHECK_BUDGET:-470}
+BUDGET=${GPU_CHECK_BUDGET:-400}
 SMOKE=${GPU_CHECK_SMOKE:-0}
 STEPS=$(mktemp -d)
 FAILED=0
@@ -50,6 +55,23 @@ report() {  # report NAME: its output's tail and its result
         "$STEPS/$name.log" | tail -n 40
     [ "$rc" = 0 ] || FAILED=1
     SUMMARY+=("$name rc=$rc ${secs}s")
+    save "$name" "$rc" "$secs"
+}
+
+save() {  # save NAME RC SECS: the stage's result (and its bench JSON) into $LOG_DIR/stages.json,
+    # every log and JSON so far into $LOG_DIR/gpu_check_logs.tar.gz, so that a timeout loses none
+    "$PY" - "$LOG_DIR/stages.json" "$1" "$2" "$3" "$WORK/results/${1#bench_}.json" <<'PYEOF'
+import json, sys
+from pathlib import Path
+path, name, rc, secs, result = Path(sys.argv[1]), *sys.argv[2:]
+stages = json.loads(path.read_text()) if path.is_file() else {}
+stages[name] = {"rc": int(rc), "seconds": int(secs)}
+if Path(result).is_file():
+    stages[name]["results"] = json.loads(Path(result).read_text())
+path.write_text(json.dumps(stages, indent=1))
+PYEOF
+    cp -f "$WORK"/results/*.json "$STEPS"/ 2>/dev/null
+    tar -czf "$LOG_DIR/gpu_check_logs.tar.gz" -C "$STEPS" . 2>/dev/null
 }
 
 stage() {  # stage NAME LIMIT CMD...: run now if it fits the budget, else skip it, loudly
@@ -80,14 +102,12 @@ main() {
     local tests=() models vocab=128256 jobs_args=()
     echo "=== gpu_check $(date -u +%FT%TZ) in $PWD, log $LOG, work $WORK, budget ${BUDGET}s"
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>/dev/null
-    timeout 60 "$PY" -c 'import sys, torch, triton, transformers
-print("python", sys.version.split()[0], "torch", torch.__version__, "triton", triton.__version__,
-      "transformers", transformers.__version__, "cuda", torch.version.cuda,
-      torch.cuda.get_device_name() if torch.cuda.is_available() else "NO CUDA DEVICE")'
-    missing=$(timeout 60 "$PY" -c 'import importlib.util as u
-print(" ".join(m for m in ("torch", "triton", "transformers", "safetensors", "tokenizers",
-    "numpy", "pyarrow", "polars", "yaml", "typer", "tqdm", "gguf", "pytest") if not u.find_spec(m)))')
-    if [ -n "$missing" ]; then echo "=== MISSING PYTHON PACKAGES: $missing"; FAILED=1; fi
+    # 0. preflight, 20 s: versions, the packages, a Triton kernel, one CUDA graph; stop at once
+    if ! timeout -k 5 20 "$PY" scripts/gpu_preflight.py --device "$([ "$SMOKE" = 1 ] && echo cpu || echo cuda)"; then
+        echo "=== PREFLIGHT FAILED: nothing else runs"
+        return 2
+    fi
+    SUMMARY+=("preflight rc=0")
     mkdir -p "$WORK/results"
     rm -f "$WORK"/results/*.json
     if [ "$SMOKE" = 1 ]; then
@@ -101,7 +121,10 @@ print(" ".join(m for m in ("torch", "triton", "transformers", "safetensors", "to
     fi
 
     # 1. tests, models and jobs at once (the tests are bound by compiles, the models by disk)
+    # in parallel, each test under its own limit, where pytest-xdist and pytest-timeout exist
     local pytest=("$PY" -m pytest -q -rfE -p no:cacheprovider --durations=5)
+    "$PY" -c 'import xdist' 2>/dev/null && pytest+=(-n "$([ "$SMOKE" = 1 ] && echo 2 || echo 12)")
+    "$PY" -c 'import pytest_timeout' 2>/dev/null && pytest+=(--timeout 120)
     start tests 200 env OMP_NUM_THREADS=4 "${pytest[@]}" "${tests[@]}"
     local names=(tests)
     if [ "$SMOKE" != 1 ] && [ -f tests/test_engine_equivalence.py ]; then
@@ -119,11 +142,12 @@ print(" ".join(m for m in ("torch", "triton", "transformers", "safetensors", "to
     TABLE=()
     if [ "$SMOKE" = 1 ]; then
         stage equivalence_tiny 120 "$PY" scripts/gpu_equivalence.py "$WORK/models/tiny" \
-            --device cpu --prompts 4 --tokens 8
-        bench tiny no_sharing 200 "" --sharing off --graphs both --hf-rows 4 --batch-size 4
-        bench tiny shared_prefix 200 "" --graphs on --hf-rows 4 --batch-size 4
+            --device cpu --prompts 4 --tokens 8 --kv-cache-memory 67108864
+        bench tiny no_sharing 200 "" --sharing off --graphs both --hf-rows 4 --batch-size 4 \
+            --in-process
+        bench tiny shared_prefix 200 "" --graphs on --hf-rows 4 --batch-size 4 --in-process
     else
-        stage equivalence_qwen 60 "$PY" scripts/gpu_equivalence.py "$WORK/models/qwen2.5-0.5b"
+        stage equivalence_qwen 60 "$PY" scripts/gpu_equivalence.py "$WORK/models/qwen2.5-0.5b" --kv-cache-memory 0.3
         # no-sharing job: sharing on would find nothing to share; graphs on and off
         bench qwen2.5-0.5b no_sharing 110 "" --sharing off --graphs both --hf-rows 32 \
             --batch-size 32
@@ -131,11 +155,11 @@ print(" ".join(m for m in ("torch", "triton", "transformers", "safetensors", "to
         bench qwen2.5-0.5b shared_prefix 110 "" --graphs on --hf-rows 256 --batch-size 64
         bench qwen2.5-0.5b shared_prefix 40 _nographs --graphs off --sharing on --skip-hf
         stage equivalence_llama1b 45 "$PY" scripts/gpu_equivalence.py \
-            "$WORK/models/llama-3.2-1b" --prompts 4
+            "$WORK/models/llama-3.2-1b" --prompts 4 --kv-cache-memory 0.3
         bench llama-3.2-1b no_sharing 40 "" --sharing off --skip-hf
         bench llama-3.2-1b shared_prefix 40 "" --sharing on --skip-hf
         stage equivalence_llama8b 60 "$PY" scripts/gpu_equivalence.py \
-            "$WORK/models/llama-3.1-8b" --prompts 4 --tokens 16
+            "$WORK/models/llama-3.1-8b" --prompts 4 --tokens 16 --kv-cache-memory 0.3
         bench llama-3.1-8b no_sharing 70 "" --sharing off --skip-hf
     fi
 

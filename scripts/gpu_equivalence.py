@@ -2,7 +2,7 @@
 (README, Correctness; tests/hf_reference.assert_tokens_match_bf16): scripts/gpu_check.sh's
 correctness run on the random-weight models. Exit 1 on any row that breaks the rule.
 
-    python scripts/gpu_equivalence.py MODEL_FOLDER [--prompts 8] [--tokens 32] [--device cuda]
+    python scripts/gpu_equivalence.py MODEL_FOLDER [--prompts 8] [--tokens 32] [--device cuda] [--kv-cache-memory 0.3]
 
 transformers runs first, one prompt at a time on the device, and is freed before batchllm sizes
 its KV pool; batchllm runs every prompt in one generate (prefix sharing on, CUDA graphs on).
@@ -47,6 +47,7 @@ def main() -> int:
     ap.add_argument("--prompts", type=int, default=8)
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
+    ap.add_argument("--kv-cache-memory", default="0.3", help="a fraction (0.3) or bytes (an int)")
     args = ap.parse_args()
     from batchllm import LLM, SamplingParams
     from batchllm.model.hf_cache import load_config
@@ -57,7 +58,8 @@ def main() -> int:
     prompts = [(head if i % 2 else []) + rng.integers(3, vocab, int(rng.integers(5, 60))).tolist()
                for i in range(args.prompts)]
     ref = reference(args.folder, prompts, args.tokens, args.device)
-    llm = LLM(str(args.folder), dtype="bfloat16", device=args.device)
+    kv = float(args.kv_cache_memory) if "." in args.kv_cache_memory else int(args.kv_cache_memory)
+    llm = LLM(str(args.folder), dtype="bfloat16", device=args.device, kv_cache_memory=kv)
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
     failed, diverged = [], 0
     for i, (out, (tokens, logits)) in enumerate(zip(outs, ref)):

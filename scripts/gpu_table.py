@@ -3,6 +3,9 @@ and the issue's goals. Exit 1 on a mismatch.
 
     python scripts/gpu_table.py MODEL:JOB:RESULTS.json ...
 
+Per step (where the metrics file has them): host ms (step_host_seconds / steps), device ms
+(step_device_seconds, CUDA events), replayed/eager steps. A setting that crashed (a note that is
+not "skipped") is a failure, named CRASHED.
 Mismatches: the batchllm settings of one model and job generating different numbers of tokens
 (end-of-sequence is ignored: every row runs to its max_tokens), or prefix sharing on without
 prefill_tokens == tree_tokens (each distinct prompt token through the model once). Goals (the
@@ -19,6 +22,21 @@ from pathlib import Path
 GOAL_TOKENS_S, GOAL_RATIO = 25_000, 5.0
 
 
+def per_step(m: dict) -> tuple[str, str, str, str]:
+    """steps, host and device ms per step (step_host_seconds; step_device_seconds from CUDA
+    events), replayed/eager steps: "-" where the metrics do not have them."""
+    steps = m.get("steps")
+    if not steps:
+        return "-", "-", "-", "-"
+
+    def ms(key: str) -> str:
+        return "-" if m.get(key) is None else f"{1000 * m[key] / steps:.3f}"
+
+    replayed = m.get("steps_replayed")
+    return (str(steps), ms("step_host_seconds"), ms("step_device_seconds"),
+            "-" if replayed is None else f"{replayed}/{steps - replayed}")
+
+
 def main(argv: list[str]) -> int:
     rows, mismatches, goals = [], [], []
     for spec in argv:
@@ -32,6 +50,9 @@ def main(argv: list[str]) -> int:
             n = (r.get("metrics") or {}).get("rows") or data["env"].get(
                 "hf_rows" if r["setting"].startswith("hf-") else "rows", "")
             rows.append((model, job, n, r))
+        for r in data["results"]:
+            if "wall_s" not in r and not str(r.get("note", "")).startswith("skipped"):
+                mismatches.append(f"{model} {job} {r['setting']}: CRASHED: {r.get('note', '')}")
         ours = [r for r in results if r["setting"].startswith("batchllm")]
         if len({r["output_tokens"] for r in ours}) > 1:
             mismatches.append(f"{model} {job}: batchllm settings generated different token "
@@ -55,18 +76,19 @@ def main(argv: list[str]) -> int:
                               f"transformers generate_batch (goal >= {GOAL_RATIO:.0f}x)"),
                               ratio >= GOAL_RATIO))
     head = ("model", "job", "setting", "rows", "wall s", "out tok/s", "total tok/s",
-            "prefill/prompt", "kv pages peak", "note")
+            "prefill/prompt", "kv pages peak", "steps", "host ms/step", "device ms/step",
+            "replayed/eager", "note")
     lines = []
     for model, job, n, r in rows:
         if "wall_s" not in r:
-            lines.append((model, job, r["setting"], str(n), "-", "-", "-", "-", "-",
-                          r.get("note", "")))
+            lines.append((model, job, r["setting"], str(n), *["-"] * 9, r.get("note", "")))
             continue
         prefill = r.get("prefill_tokens")
         lines.append((model, job, r["setting"], str(n),
                       f"{r['wall_s']:.1f}", f"{r['output_tok_s']:,.0f}", f"{r['total_tok_s']:,.0f}",
                       "-" if prefill is None else f"{prefill / r['prompt_tokens']:.3f}",
-                      str(r.get("kv_pages_peak") or "-"), r.get("note", "")))
+                      str(r.get("kv_pages_peak") or "-"), *per_step(r.get("metrics") or {}),
+                      r.get("note", "")))
     widths = [max(len(str(x[i])) for x in [head, *lines]) for i in range(len(head))]
     for line in [head, *lines]:
         print("  ".join(f"{v:<{w}}" for v, w in zip(line, widths)).rstrip())

@@ -61,8 +61,8 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     rng = np.random.default_rng(0)
     if args.tiny:
-        a = no_sharing(rng, 6, 24, args.vocab)
-        b = shared_prefix(rng, 2, 4, 12, 8, 8, args.vocab)
+        a = no_sharing(rng, 4, 12, args.vocab)
+        b = shared_prefix(rng, 2, 3, 12, 8, 6, args.vocab)
     else:
         a = no_sharing(rng, 256, 1024, args.vocab)
         b = shared_prefix(rng, 64, 64, 700, 200, 128, args.vocab)

@@ -85,7 +85,7 @@ def test_check_catches_a_double_free() -> None:
     pool.allocate(2)
     pool.release([1])
     pool.check()
-    pool._free.append(1)  # what a second free that skipped the count would leave
+    pool._push_free(1)  # what a second free that skipped the count would leave
     with pytest.raises(AssertionError, match="twice in the free list"):
         pool.check()
 
@@ -93,7 +93,7 @@ def test_check_catches_a_double_free() -> None:
 def test_check_catches_a_used_page_on_the_free_list() -> None:
     pool = PagePool(3)
     pool.allocate(2)
-    pool._free.append(0)  # page 0 still has a reference
+    pool._push_free(0)  # page 0 still has a reference
     with pytest.raises(AssertionError, match="page 0: refs 1, free True"):
         pool.check()
 
@@ -105,3 +105,18 @@ def test_check_catches_a_wrong_shared_count() -> None:
     pool.num_shared = 0
     with pytest.raises(AssertionError, match="shared page count"):
         pool.check()
+
+
+def test_a_pool_of_10_8_pages_costs_memory_only_for_the_pages_in_use() -> None:
+    psutil = pytest.importorskip("psutil")
+    process = psutil.Process()
+    before = process.memory_info().rss
+    pool = PagePool(10**8)  # page size 1 on an H200: a Python list of ids would take GBs
+    first = pool.allocate(1000)
+    pool.release(first[:10])
+    assert pool.allocate(3) == [9, 8, 7]  # the same ids and order as a small pool's
+    assert pool.allocate(8) == [6, 5, 4, 3, 2, 1, 0, 1000]
+    grown = process.memory_info().rss - before
+    assert grown < 64 << 20, f"a 10^8-page pool with 1,001 pages in use took {grown >> 20} MiB"
+    pool.check()
+    assert (pool.num_used, pool.num_free) == (1001, 10**8 - 1001)
