@@ -27,6 +27,7 @@ from batchllm.model.attention import PagedAttention, StepMetadata, kv_cache_dtyp
 from batchllm.model.loader import LoadedModel, load_model
 
 _STOP, _HIDDEN, _LOGITS = "stop", "hidden", "logits"
+_current: Group | None = None  # this process's group (torch.distributed has one default group)
 
 
 class RankFailed(RuntimeError):
@@ -160,6 +161,9 @@ def _receive() -> list:
 
 def start(model: str, n: int, load_kwargs: dict) -> tuple[LoadedModel, Group]:
     """Spawn ranks 1..n-1, load rank 0's shard here, join the group: (rank 0's model, group)."""
+    global _current
+    if _current is not None:  # one group per process: an earlier runtime's ranks stop
+        _current.close()
     port = _free_port()
     ctx = mp.get_context("spawn")
     procs = [ctx.Process(target=_worker, args=(r, n, port, model, load_kwargs), daemon=True)
@@ -168,7 +172,7 @@ def start(model: str, n: int, load_kwargs: dict) -> tuple[LoadedModel, Group]:
         p.start()
     loaded = load_model(model, shard=(0, n), **load_kwargs)
     _init(0, n, port, loaded.device)
-    group = Group(procs, loaded)
+    group = _current = Group(procs, loaded)
     atexit.register(group.close)
     return loaded, group
 
