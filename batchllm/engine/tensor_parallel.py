@@ -138,7 +138,10 @@ def _worker(rank: int, n: int, port: int, model: str, kwargs: dict) -> None:
     dev = loaded.device
     h = None
     while True:
-        message = _receive()[0]
+        try:
+            message = _receive()[0]
+        except (RuntimeError, ConnectionError):
+            return  # rank 0 is gone: its own error (or exit) is the one the user sees
         kind = message[0]
         if kind == _STOP:
             break
