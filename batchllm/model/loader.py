@@ -98,7 +98,7 @@ def load_model(
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
     if shard is not None:
-        if quantization is not None or dev.type == "meta":
+        if quantization is not None:
             raise ModelError("engine.tensor_parallel: FP8 weights are not split yet")
         limit = model_len_limit(config, max_model_len)
         model = load_shard(config, state, limit, folder, *shard)
