@@ -144,8 +144,6 @@ class EngineConfig(_Section):
 
     def _cross_checks(self) -> list[str]:
         errors = []
-        if self.tensor_parallel != 1:  # TODO(issue 29): tensor parallelism
-            errors.append("engine.tensor_parallel: only 1 is supported yet")
         if self.overlap is True:  # TODO(issue 28): the overlapped step loop
             errors.append("engine.overlap: true is not supported yet; use auto or false")
         return errors

@@ -12,6 +12,7 @@ from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 from batchllm.config import JobConfig
+from batchllm.engine import tensor_parallel
 from batchllm.engine.cpu_allocator import keep_freed_memory
 from batchllm.engine.engine import Engine
 from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
@@ -69,14 +70,24 @@ class Runtime:
         """Load `model` (a built-in alias or a Hugging Face folder) and size its KV pool."""
         s = settings
         keep_freed_memory()  # before loading starts threads: they would take arenas of their own
-        loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.revision,
-                            s.quantization)
+        group = None
+        if s.tensor_parallel > 1:  # rank 0's shard here, the other ranks spawned
+            loaded, group = tensor_parallel.start(model, s.tensor_parallel, {
+                "dtype": s.dtype, "device": s.device, "max_model_len": s.max_model_len,
+                "revision": s.revision, "quantization": s.quantization})
+        else:
+            loaded = load_model(model, s.dtype, s.device, s.max_model_len, s.revision,
+                                s.quantization)
         kv_dtype = kv_cache_dtype(s.kv_cache_dtype, loaded.model.dtype)
-        bytes_per_token = loaded.model.shape.kv_bytes_per_token(kv_dtype)
+        bytes_per_token = loaded.model.shape.kv_bytes_per_token(kv_dtype)  # a rank's heads
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
-        engine = Engine(loaded, num_kv_pages(budget, bytes_per_token, s.page_size), s.page_size,
-                        s.max_num_seqs, s.max_batched_tokens, s.prefix_sharing,
-                        loaded.max_model_len, s.cuda_graphs, s.kv_cache_dtype)
+        pages = num_kv_pages(budget, bytes_per_token, s.page_size)
+        engine = Engine(loaded, pages, s.page_size, s.max_num_seqs, s.max_batched_tokens,
+                        s.prefix_sharing, loaded.max_model_len,
+                        s.cuda_graphs and group is None, s.kv_cache_dtype)
+        if group is not None:
+            tensor_parallel.share_pool(group, pages, s.page_size, s.kv_cache_dtype)
+            group.watch(engine.attention)
         return cls(loaded, engine, s)
 
     @classmethod

@@ -160,7 +160,7 @@ class DecoderModel:
     ) -> torch.Tensor:  # [S, H]: the final norm of the rows that sample (what a graph captures)
         t = input_ids.shape[0]
         norm, eps = self.ops.pointwise.add_rms_norm, self.eps
-        h = self.embed[input_ids]  # [T, H], the residual stream
+        h = self.embed_tokens(input_ids)  # [T, H], the residual stream
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if self.cpu_layers is not None and attention.ops is self.ops:  # not an FP8 cache's ops
@@ -180,6 +180,9 @@ class DecoderModel:
                     m = norm(m, None, layer.norm_mlp_out, eps)
                 h[rows].add_(m)  # on the view: `h[rows] +=` copies the rows back after
         return norm(h[sample_rows], None, self.norm, eps)  # [S, H]
+
+    def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
+        return self.embed[input_ids]
 
     @torch.inference_mode()
     def logits(self, h: torch.Tensor) -> torch.Tensor:  # [S, H] -> [S, V] fp32

@@ -18,6 +18,7 @@ from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_sc
 from batchllm.model.hf_cache import load_config
 from batchllm.model.resolve import resolve_model
 from batchllm.model.rotary import head_permutation, position_limit
+from batchllm.model.tensor_parallel import load_shard
 from batchllm.model.tokenizer import eos_token_ids
 from batchllm.model.weights import give_back_freed_heap, load_weights
 
@@ -86,14 +87,24 @@ def job_model(path: str, requested_len: int | None, revision: str | None = None)
 def load_model(
     path: str, dtype: str = "auto", device: str = "auto", max_model_len: int | None = None,
     revision: str | None = None, quantization: str | None = None,
+    shard: tuple[int, int] | None = None,
 ) -> LoadedModel:
     """The model at `path` (resolve.resolve_model says what it may be), ready to run;
-    quantization: None (as the checkpoint is) or "fp8" (its projections quantized at load)."""
+    quantization: None (as the checkpoint is) or "fp8" (its projections quantized at load);
+    shard: (rank, ranks) for one rank's slice of it (model/tensor_parallel.py)."""
     dev = pick_device(device)
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path, revision)
     describe(load_config(folder))  # an unsupported family fails before its weights are read
     config, state = load_weights(folder, dt, dev)
+    if shard is not None:
+        if quantization is not None:
+            raise ModelError("engine.tensor_parallel: FP8 weights are not split yet")
+        limit = model_len_limit(config, max_model_len)
+        model = load_shard(config, state, limit, folder, *shard)
+        tokenizer = tokenizers.load(folder)
+        return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
+                           str(path), dev, limit)
     shape = model_shape(config)
     kv_scales = take_kv_scales(state, shape.num_layers, shape.num_kv_heads)  # fp8_checkpoint.py
     take_fp8_weights(config, state, quantization, dt, head_permutation(config) is not None)

@@ -1,0 +1,51 @@
+"""engine.tensor_parallel: 2 over gloo (two processes on this machine): the same greedy tokens
+as transformers (and so as tensor_parallel: 1, which test_engine_equivalence checks against the
+same reference) on tiny random models, with sharing on and off, chunked prefill and
+preemption. One process group at a time: each case builds its own engine."""
+
+from __future__ import annotations
+
+import pytest
+from hf_reference import assert_tokens_match, tiny_model_folder
+from test_engine_equivalence import MAX_TOKENS, nested_prompts, reference
+
+from batchllm import LLM, SamplingParams
+from batchllm.engine import tensor_parallel
+
+
+def run_tp2(kind: str, **settings) -> dict:
+    settings.setdefault("kv_cache_memory", 64 << 20)
+    llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu", tensor_parallel=2,
+              **settings)
+    outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference(kind))):
+        assert out.finish_reason in ("stop", "length"), out.error
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+    return llm.last_metrics
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma2", "mistral"])
+@pytest.mark.parametrize("sharing", [True, False])
+def test_tp2_greedy_matches_transformers(kind: str, sharing: bool) -> None:
+    # mistral: one KV head, replicated on both ranks
+    run_tp2(kind, prefix_sharing=sharing)
+
+
+@pytest.mark.parametrize("kind", ["llama3", "qwen3", "gemma2"])
+def test_tp2_chunked_prefill_and_preemption(kind: str) -> None:
+    probe = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu",
+                kv_cache_memory=64 << 20)
+    per_token = probe.runtime.engine.bytes_per_token // 2  # a rank holds half the KV heads
+    longest = max(map(len, nested_prompts())) + MAX_TOKENS
+    pages = -(-longest // 16) + 2
+    metrics = run_tp2(kind, kv_cache_memory=pages * 16 * per_token, max_batched_tokens=13)
+    assert metrics["kv_pages_total"] == pages
+    assert metrics["preemptions"] > 0
+
+
+def test_tp2_a_rank_dying_fails_with_one_line() -> None:
+    llm = LLM(str(tiny_model_folder("llama3")), dtype="float32", device="cpu",
+              kv_cache_memory=64 << 20, tensor_parallel=2)
+    tensor_parallel._current.procs[0].kill()
+    with pytest.raises(tensor_parallel.RankFailed, match=r"rank 1 exited with code -9"):
+        llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
