@@ -12,11 +12,12 @@ that did not build) runs decoder.py's loop.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from batchllm.model.attention import PagedAttention
+from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import layers as cpu_layers
 from kernels.cpu import linear as cpu_linear
@@ -24,8 +25,16 @@ from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
 from kernels.cpu.checks import address, int32_indices
 
-if TYPE_CHECKING:
-    from batchllm.model.decoder import DecoderModel
+
+class LayeredModel(Protocol):
+    """What CpuLayers reads of a model (decoder.py's DecoderModel is one): named here so that
+    this module does not import decoder.py, which imports it."""
+
+    shape: Any  # hidden_size, num_heads, num_kv_heads, head_dim
+    family: Any  # the family's switches (norms, activation, windows, experts)
+    ops: Any  # the model's kernels
+    dtype: torch.dtype
+    layers: Any  # the decoder layers (attn, mlp, norms)
     from batchllm.model.linear import Linear
 
 
@@ -46,7 +55,7 @@ class CpuLayers:
     """A model's layers as layers.c's records: the weights' once (`of`), the cache's once per
     KV pool, the step's at each `run`."""
 
-    def __init__(self, model: DecoderModel) -> None:
+    def __init__(self, model: LayeredModel) -> None:
         self.model = model
         s, first = model.shape, model.layers[0]
         self.width = first.mlp.width  # 2I: gate and up
@@ -55,7 +64,7 @@ class CpuLayers:
         self._layers: tuple[int, ctypes.Array] | None = None  # (k_cache's address, records)
 
     @staticmethod
-    def of(model: DecoderModel) -> CpuLayers | None:
+    def of(model: LayeredModel) -> CpuLayers | None:
         """The one-call layers where every layer of `model` is plain and every kernel built;
         None where decoder.py's loop must run."""
         f, ops = model.family, model.ops
