@@ -59,14 +59,12 @@ def _cpu_id() -> str:
 
 
 def isa() -> str:
-    """The widest vector unit the kernels are built for here (-march=native): amx, avx512,
-    avx2, or the machine's name where it has none of them."""
+    """The widest vector unit the kernels are built for here (-march=native): avx512, avx2, or
+    the machine's name where it has neither (AMX, where present, is not a path of its own)."""
     flags = set()
     for line in _cpu_id().splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
-    if {"amx_tile", "amx_bf16"} <= flags:
-        return "amx"
     if "avx512f" in flags:
         return "avx512"
     return "avx2" if "avx2" in flags else platform.machine().lower() or "unknown"
@@ -120,7 +118,7 @@ def _build(name: str, compiler: str, folder: Path) -> Path:
     source = _HERE / f"{name}.c"
     omp = _torch_omp()
     if omp is None:
-        _once("omp", "note: torch has no bundled OpenMP runtime (libgomp); the C kernels are "
+        _once("omp", "warning: torch has no bundled OpenMP runtime (libgomp); the C kernels are "
               "built without OpenMP and run on one thread")
     openmp = ["-fopenmp"] if omp else []
     flags = [*_FLAGS, *openmp]
@@ -173,3 +171,4 @@ def load_library(name: str, what: str) -> ctypes.CDLL | None:
         print(f"batchllm: {what} could not be built ({detail}); the slower torch path runs",
               file=sys.stderr)
         return None
+
