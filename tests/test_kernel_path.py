@@ -40,3 +40,29 @@ def test_switched_off_the_torch_path_is_named(monkeypatch):
 def test_other_dtypes_and_cuda():
     assert kernel_path("cpu", "bfloat16") == "cpu-torch"
     assert kernel_path("cuda", "bfloat16") == "cuda-triton"
+
+
+def test_the_avx2_build_is_forced_and_named(monkeypatch, tmp_path):
+    """BATCHLLM_CPU_ISA=avx2 builds x86-64-v3 (no AVX-512) here too; its product is torch's
+    float32 product within rounding, and the path says avx2."""
+    import torch
+
+    from kernels.cpu import build as cpu_build
+
+    if "avx2" not in _flags():
+        pytest.skip("no AVX2 on this CPU")
+    monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path))
+    monkeypatch.setenv("BATCHLLM_CPU_ISA", "avx2")
+    cpu_linear.load.cache_clear()
+    try:
+        if cpu_linear.load() is None:
+            pytest.skip("the C kernels cannot be built here")
+        assert kernel_path("cpu", "float32") == "cpu-c-avx2"
+        assert any("cpu_linear-" in p.name for p in (tmp_path / "kernels").iterdir())
+        g = torch.Generator().manual_seed(0)
+        x, w = torch.randn(3, 96, generator=g), torch.randn(40, 96, generator=g)
+        panels = cpu_linear.pack_panels(w)
+        torch.testing.assert_close(cpu_linear.linear(x, panels, None, 40), x @ w.T)
+    finally:
+        cpu_linear.load.cache_clear()
+        cpu_build._said.clear()
