@@ -1,7 +1,8 @@
 """Builds and loads the C kernels of the CPU path (the .c files beside this one): with the system
 C compiler on first use, cached, called through ctypes.
 
-Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
+Built with `$CC` (default `cc`) -O3 -march=native (x86-64-v3 with BATCHLLM_CPU_ISA=avx2)
+-fopenmp into $BATCHLLM_CACHE/kernels (default
 ~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the source and the headers beside it,
 the flags, the compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib,
 already loaded), so torch's thread count applies; where torch has none, the kernels are built
@@ -177,4 +178,3 @@ def load_library(name: str, what: str) -> ctypes.CDLL | None:
         print(f"batchllm: {what} could not be built ({detail}); the slower torch path runs",
               file=sys.stderr)
         return None
-
