@@ -12,20 +12,30 @@ that did not build) runs decoder.py's loop.
 from __future__ import annotations
 
 import ctypes
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from batchllm.model.attention import PagedAttention
+from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu import build as cpu_build
 from kernels.cpu import layers as cpu_layers
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
 from kernels.cpu.checks import address, int32_indices
 
-if TYPE_CHECKING:
-    from batchllm.model.decoder import DecoderModel
+
+class LayeredModel(Protocol):
+    """What CpuLayers reads of a model (decoder.py's DecoderModel is one): named here so that
+    this module does not import decoder.py, which imports it."""
+
+    shape: Any  # hidden_size, num_heads, num_kv_heads, head_dim
+    family: Any  # the family's switches (norms, activation, windows, experts)
+    ops: Any  # the model's kernels
+    dtype: torch.dtype
+    layers: Any  # the decoder layers (attn, mlp, norms)
     from batchllm.model.linear import Linear
 
 
@@ -38,6 +48,21 @@ def _projection(p: Linear) -> cpu_layers.Projection:
                                  address(p.panel_bias), p.out_features)
 
 
+def kernel_path(device: str, dtype: str) -> str:
+    """Which kernels a model on `device` in `dtype` runs, as DESIGN's metrics key kernel_path
+    names them. The rule: cuda-triton on CUDA; on the CPU, cpu-c-<isa> (cpu-c-avx512,
+    cpu-c-avx2) in float32 on x86 with AVX2 or AVX-512 where the C kernels build (enabled, a
+    compiler, a safe folder); else cpu-torch (ARM, macOS, BATCHLLM_CPU_KERNEL=0, no compiler,
+    another dtype)."""
+    if device == "cuda":
+        return "cuda-triton"
+    isa = cpu_build.isa()
+    if (device == "cpu" and dtype == "float32" and isa in ("avx512", "avx2")
+            and cpu_build.enabled() and cpu_linear.load() is not None):
+        return f"cpu-c-{isa}"
+    return f"{device}-torch"
+
+
 def _float_rows(t: torch.Tensor) -> bool:
     return t.dtype == torch.float32 and t.is_contiguous()
 
@@ -46,7 +71,7 @@ class CpuLayers:
     """A model's layers as layers.c's records: the weights' once (`of`), the cache's once per
     KV pool, the step's at each `run`."""
 
-    def __init__(self, model: DecoderModel) -> None:
+    def __init__(self, model: LayeredModel) -> None:
         self.model = model
         s, first = model.shape, model.layers[0]
         self.width = first.mlp.width  # 2I: gate and up
@@ -55,7 +80,7 @@ class CpuLayers:
         self._layers: tuple[int, ctypes.Array] | None = None  # (k_cache's address, records)
 
     @staticmethod
-    def of(model: DecoderModel) -> CpuLayers | None:
+    def of(model: LayeredModel) -> CpuLayers | None:
         """The one-call layers where every layer of `model` is plain and every kernel built;
         None where decoder.py's loop must run."""
         f, ops = model.family, model.ops

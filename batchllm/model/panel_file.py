@@ -15,18 +15,17 @@ length and are refused, as a damaged header is by its crc32.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import math
 import os
 import struct
-import tempfile
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from kernels.atomic_write import write_atomic
 from kernels.cpu import linear as cpu_linear
 
 MAGIC = b"BLLMPNL1"
@@ -89,7 +88,7 @@ def views(data: torch.Tensor, entry: dict, tiles: bool) -> Packed:
 
 def write(path: Path, key: dict, built: list[tuple[int, Packed]]) -> bool:
     """The file at `path` of the projections `built` ((N, tensors) each, in order): a
-    temporary file beside it, then a rename; False when that place cannot be written."""
+    kernels/atomic_write.write_atomic (whole or not at all); False when that place cannot be written."""
     entries = []
     for n, packed in built:  # 0 marks a tensor that is there, placed below
         entry = {f: None if getattr(packed, f) is None else 0 for f in _FIELDS}
@@ -103,25 +102,20 @@ def write(path: Path, key: dict, built: list[tuple[int, Packed]]) -> bool:
     end = _place(entries, room)
     header = json.dumps({"key": key, "entries": entries, "file_bytes": end}).encode()
     assert _PREFIX.size + len(header) <= room
-    tmp = None
+    def fill(f) -> None:
+        f.write(_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header)
+        for entry, (_, packed) in zip(entries, built):
+            for field in _FIELDS:
+                if entry[field] is not None:
+                    f.seek(entry[field])
+                    f.write(getattr(packed, field).contiguous().numpy())  # no copy
+        f.truncate(end)
+
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{FILE_NAME}.tmp-", dir=path.parent)
-        with os.fdopen(fd, "wb") as f:
-            f.write(_PREFIX.pack(MAGIC, len(header), zlib.crc32(header)) + header)
-            for entry, (_, packed) in zip(entries, built):
-                for field in _FIELDS:
-                    if entry[field] is not None:
-                        f.seek(entry[field])
-                        f.write(getattr(packed, field).contiguous().numpy())  # no copy
-            f.truncate(end)
-        os.chmod(tmp, 0o644)  # mkstemp makes it private; the cache is shared
-        os.replace(tmp, path)
+        write_atomic(path, fill, mode=0o644, durable=False)  # shared cache, may be lost
         return True
     except OSError:
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
         return False
 
 

@@ -1,7 +1,8 @@
 """Builds and loads the C kernels of the CPU path (the .c files beside this one): with the system
 C compiler on first use, cached, called through ctypes.
 
-Built with `$CC` (default `cc`) -O3 -march=native -fopenmp into $BATCHLLM_CACHE/kernels (default
+Built with `$CC` (default `cc`) -O3 -march=native (x86-64-v3 with BATCHLLM_CPU_ISA=avx2)
+-fopenmp into $BATCHLLM_CACHE/kernels (default
 ~/.cache/batchllm/kernels) as cpu_<name>-<key>.so, keyed by the source and the headers beside it,
 the flags, the compiler and the CPU; OpenMP is torch's own runtime (libgomp from torch/lib,
 already loaded), so torch's thread count applies; where torch has none, the kernels are built
@@ -36,12 +37,18 @@ import torch
 from kernels.atomic_write import atomic_path
 
 _HERE = Path(__file__).parent
-_FLAGS = ("-O3", "-march=native", "-ffast-math", "-fno-finite-math-only", "-fPIC")
+_FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fPIC")
 # Compiled and linked in two steps: -ffast-math at link time adds crtfastmath.o to a shared
 # library too (GCC < 13), whose constructor sets flush-to-zero and denormals-are-zero for the
 # whole process when the library loads, so every float op of torch and numpy in it flushed
 # subnormals to zero (seen: hypothesis refusing to draw floats after a model had loaded).
 _LINK = ("-shared",)
+
+
+def _march() -> str:
+    """-march=native, or x86-64-v3 (AVX2 and FMA, no AVX-512, no AMX) with
+    BATCHLLM_CPU_ISA=avx2: the AVX2 build run and tested on a machine that has more."""
+    return "-march=x86-64-v3" if os.environ.get("BATCHLLM_CPU_ISA") == "avx2" else "-march=native"
 
 
 def _torch_omp() -> Path | None:
@@ -59,15 +66,13 @@ def _cpu_id() -> str:
 
 
 def isa() -> str:
-    """The widest vector unit the kernels are built for here (-march=native): amx, avx512,
-    avx2, or the machine's name where it has none of them."""
+    """The widest vector unit the kernels are built for here (-march=native): avx512, avx2, or
+    the machine's name where it has neither (AMX, where present, is not a path of its own)."""
     flags = set()
     for line in _cpu_id().splitlines():
         if line.startswith("flags"):
             flags.update(line.split(":", 1)[1].split())
-    if {"amx_tile", "amx_bf16"} <= flags:
-        return "amx"
-    if "avx512f" in flags:
+    if "avx512f" in flags and _march() == "-march=native":
         return "avx512"
     return "avx2" if "avx2" in flags else platform.machine().lower() or "unknown"
 
@@ -120,10 +125,10 @@ def _build(name: str, compiler: str, folder: Path) -> Path:
     source = _HERE / f"{name}.c"
     omp = _torch_omp()
     if omp is None:
-        _once("omp", "note: torch has no bundled OpenMP runtime (libgomp); the C kernels are "
+        _once("omp", "warning: torch has no bundled OpenMP runtime (libgomp); the C kernels are "
               "built without OpenMP and run on one thread")
     openmp = ["-fopenmp"] if omp else []
-    flags = [*_FLAGS, *openmp]
+    flags = [*_FLAGS, _march(), *openmp]
     link = [*_LINK, *openmp, *([f"-Wl,-rpath,{omp}"] if omp else [])]
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                              check=True).stdout
