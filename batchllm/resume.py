@@ -36,24 +36,6 @@ class JobCannotStart(Exception):
     is missing (exit code 2)."""
 
 
-def kernel_path(device: str, dtype: str) -> str:
-    """Which kernels a run on `device` in `dtype` takes (model/ops.py's choice, by its rules):
-    cuda-triton, triton-interpreter (BATCHLLM_BACKEND=triton on the CPU), cpu-c-<isa> (the C
-    kernels, float32 on the CPU where they build), cpu-torch."""
-    from batchllm.model.ops import backend
-    from kernels.cpu import build
-    from kernels.cpu import linear as cpu_linear
-
-    if device == "cuda":
-        return "cuda-triton"
-    if backend() == "triton":
-        return "triton-interpreter"
-    if (device == "cpu" and dtype == "float32" and build.enabled()
-            and cpu_linear.load() is not None):
-        return f"cpu-c-{build.isa()}"
-    return f"{device}-torch"
-
-
 def numerics(cfg: JobConfig) -> dict:
     """What the numbers of this run's rows depend on, known before the weights load: the model
     folder's files, the dtype and device resolved as the load will (auto: bfloat16 on CUDA,
@@ -63,6 +45,7 @@ def numerics(cfg: JobConfig) -> dict:
     import torch
 
     from batchllm.model.loader import pick_device, pick_dtype
+    from batchllm.model.ops import kernel_path
     from batchllm.model.resolve import resolve_model
 
     folder = resolve_model(cfg.model.path, cfg.model.revision)

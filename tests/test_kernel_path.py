@@ -1,4 +1,4 @@
-"""kernel_path (DESIGN's metrics key): the rule of batchllm/model/cpu_layers.kernel_path, each
+"""kernel_path (DESIGN's metrics key): the rule of batchllm/model/ops.kernel_path, each
 branch forced here: the C kernels named by the CPU's own flags, the torch path when they are
 switched off or the dtype is not float32, cuda-triton on CUDA."""
 
@@ -8,7 +8,7 @@ import platform
 
 import pytest
 
-from batchllm.model.cpu_layers import kernel_path
+from batchllm.model.ops import kernel_path
 from kernels.cpu import linear as cpu_linear
 
 

@@ -163,7 +163,6 @@ def test_plan_and_rows_import_without_torch_or_transformers():
 # asks for no circle at all.
 KNOWN_CIRCLES: list[list[str]] = [
     ["batchllm.engine.device_runner", "batchllm.engine.runner"],
-    ["batchllm.model.cpu_layers", "batchllm.model.decoder"],
 ]
 
 

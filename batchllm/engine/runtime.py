@@ -156,6 +156,7 @@ class Runtime:
             device=str(model.device),
             dtype=str(model.model.dtype).removeprefix("torch."),
             model=model.name,
+            kernel_path=model.model.kernel_path,
         )
 
     def _check_grammars(self, rows: list[Row]) -> None:

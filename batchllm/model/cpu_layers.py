@@ -19,7 +19,6 @@ import torch
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
-from kernels.cpu import build as cpu_build
 from kernels.cpu import layers as cpu_layers
 from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
@@ -46,21 +45,6 @@ def _projection(p: Linear) -> cpu_layers.Projection:
     return cpu_layers.Projection(p.panels.data_ptr(), address(p.parts),
                                  cpu_linear.part_count(p.parts, p.panels), address(blocks),
                                  address(p.panel_bias), p.out_features)
-
-
-def kernel_path(device: str, dtype: str) -> str:
-    """Which kernels a model on `device` in `dtype` runs, as DESIGN's metrics key kernel_path
-    names them. The rule: cuda-triton on CUDA; on the CPU, cpu-c-<isa> (cpu-c-avx512,
-    cpu-c-avx2) in float32 on x86 with AVX2 or AVX-512 where the C kernels build (enabled, a
-    compiler, a safe folder); else cpu-torch (ARM, macOS, BATCHLLM_CPU_KERNEL=0, no compiler,
-    another dtype)."""
-    if device == "cuda":
-        return "cuda-triton"
-    isa = cpu_build.isa()
-    if (device == "cpu" and dtype == "float32" and isa in ("avx512", "avx2")
-            and cpu_build.enabled() and cpu_linear.load() is not None):
-        return f"cpu-c-{isa}"
-    return f"{device}-torch"
 
 
 def _float_rows(t: torch.Tensor) -> bool:

@@ -26,7 +26,7 @@ from batchllm.model.experts import SparseMoe
 from batchllm.model.families import Family, describe
 from batchllm.model.layers import Attention, Mlp, take_norm
 from batchllm.model.linear import Linear
-from batchllm.model.ops import ModelOps, pick_ops
+from batchllm.model.ops import ModelOps, kernel_path, pick_ops
 from batchllm.model.rotary import head_dim_of, head_permutation, rope_tables
 
 if TYPE_CHECKING:
@@ -139,6 +139,7 @@ class DecoderModel:
         # Plain layers on the CPU's C kernels: all of a step's in one C call, the same values
         # (cpu_layers.py); None: the loop in hidden()
         self.cpu_layers = CpuLayers.of(self)
+        self.kernel_path = kernel_path(device.type, str(self.dtype).removeprefix("torch."))
 
     @torch.inference_mode()
     def forward(

@@ -98,6 +98,26 @@ def backend() -> str:
     return value
 
 
+def kernel_path(device: str, dtype: str) -> str:
+    """Which kernels a model on `device` in `dtype` runs, as DESIGN's metrics key kernel_path
+    names them, by pick_ops' rules: cuda-triton on CUDA; triton-interpreter where
+    BATCHLLM_BACKEND=triton runs the CUDA path on the CPU; cpu-c-<isa> (cpu-c-avx512,
+    cpu-c-avx2) in float32 on x86 with AVX2 or AVX-512 where the C kernels build (enabled, a
+    compiler, a safe folder); else cpu-torch (ARM, macOS, BATCHLLM_CPU_KERNEL=0, no compiler,
+    another dtype)."""
+    from kernels.cpu import linear as cpu_linear
+
+    if device == "cuda":
+        return "cuda-triton"
+    if backend() == "triton":
+        return "triton-interpreter"
+    isa = cpu_build.isa()
+    if (device == "cpu" and dtype == "float32" and isa in ("avx512", "avx2")
+            and cpu_build.enabled() and cpu_linear.load() is not None):
+        return f"cpu-c-{isa}"
+    return f"{device}-torch"
+
+
 def _triton_ops(device: torch.device) -> ModelOps:
     """The CUDA path: the Triton kernels (imported here only, so the CPU path needs no triton),
     checked by one small launch where the device is there."""
