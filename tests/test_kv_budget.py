@@ -70,3 +70,21 @@ def test_the_measured_peak_on_cuda_covers_the_forwards_tensors() -> None:
         return a, b
 
     assert measured_peak_bytes(forward, device) >= 96 << 20
+
+
+@pytest.mark.parametrize("backend", ["auto", "triton"])
+def test_the_warm_up_step_runs_max_batched_tokens_of_prefill_in_one_step(
+        backend: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The step Runtime.build measures on CUDA before sizing the pool: a prefill of the whole
+    budget in one forward, on the CPU path and on the CUDA path's step loop (interpreted)."""
+    from hf_reference import tiny_model_folder
+
+    from batchllm.engine.warmup import warm_up_step
+    from batchllm.model.loader import load_model
+
+    monkeypatch.setenv("BATCHLLM_BACKEND", backend)
+    if backend == "triton":
+        monkeypatch.setenv("TRITON_INTERPRET", "1")
+    loaded = load_model(str(tiny_model_folder("llama")), "float32", "cpu", 64)
+    stats = warm_up_step(loaded, 40, 16)
+    assert (stats.steps, stats.prefill_tokens, stats.completion_tokens) == (1, 40, 1)

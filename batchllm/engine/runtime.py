@@ -18,6 +18,7 @@ from batchllm.engine.engine import Engine
 from batchllm.engine.kv_budget import kv_budget_bytes, num_kv_pages
 from batchllm.engine.metrics import EngineStats, RunMetrics
 from batchllm.engine.scheduler import KVCacheTooSmall
+from batchllm.engine.warmup import measured_peak_bytes, warm_up_step
 from batchllm.model.attention import kv_cache_dtype
 from batchllm.model.loader import LoadedModel, load_model
 from batchllm.plan.rows_plan import plan_rows
@@ -80,7 +81,13 @@ class Runtime:
                                 s.quantization)
         kv_dtype = kv_cache_dtype(s.kv_cache_dtype, loaded.model.dtype)
         bytes_per_token = loaded.model.shape.kv_bytes_per_token(kv_dtype)  # a rank's heads
-        budget = kv_budget_bytes(s.kv_cache_memory, loaded.device)
+        reserved = 0  # a step's measured peak, on CUDA before the pool takes the rest
+        if loaded.device.type == "cuda" and group is None and isinstance(s.kv_cache_memory,
+                                                                          float):
+            tokens = min(s.max_batched_tokens, loaded.max_model_len - 1)
+            reserved = measured_peak_bytes(
+                lambda: warm_up_step(loaded, tokens, s.page_size, s.kv_cache_dtype), loaded.device)
+        budget = kv_budget_bytes(s.kv_cache_memory, loaded.device, reserved)
         pages = num_kv_pages(budget, bytes_per_token, s.page_size)
         engine = Engine(loaded, pages, s.page_size, s.max_num_seqs, s.max_batched_tokens,
                         s.prefix_sharing, loaded.max_model_len,
