@@ -19,6 +19,8 @@ decode path eagerly.
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from batchllm.engine.block_table import BlockTable
@@ -71,14 +73,19 @@ class DeviceRunner:
         self.buffers.stage(values)
         dev = self.buffers.dev
         self.table.write(dev["delta_index"][: len(index)], dev["delta_pages"][: len(index)])
+        t0 = time.perf_counter()
+        replayed = False
         if graph:
             hidden = self.graphs.run(key)
+            replayed = self.graphs.capture
             n = len(batch.seqs)
             hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[
                 torch.tensor(batch.sample_rows, device=self.device)]  # rare: a prefix's token
         else:
             hidden = self._eager(batch)
-        return StepOutput(self.model.logits(hidden), batch.sampled, batch.prefill_tokens)
+        logits = self.model.logits(hidden)
+        return StepOutput(logits, batch.sampled, batch.prefill_tokens, None,
+                          time.perf_counter() - t0, replayed)
 
     def _inputs(self, batch: StepBatch, rows: list[int]) -> dict:
         values = {

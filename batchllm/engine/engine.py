@@ -6,6 +6,8 @@ scheduled token, advance the counters, sample, stop, and hand finished rows back
 
 from __future__ import annotations
 
+import time
+
 from collections.abc import Callable
 
 import numpy as np
@@ -82,6 +84,8 @@ class Engine:
         cursor = 0
         window = self.max_num_seqs + 128
         while True:
+            started = time.perf_counter()
+            kernel_seconds = 0.0  # the forward's and the sampling kernels' share of this step
             while cursor < len(kinds) and len(sched.waiting) < window:
                 sched.add(self._sequence(kinds[cursor], ids[cursor], rows, plan, terminal))
                 cursor += 1
@@ -101,6 +105,8 @@ class Engine:
                     greedy_only(s) for s, w in zip(step.seqs, wants) if w)
                 out = self.runner.run(step.seqs, step.num_tokens, wants, greedy)
                 stats.prefill_tokens += out.prefill_tokens
+                stats.steps_replayed += out.replayed
+                kernel_seconds += out.forward_seconds
             sched.step_done(step)
             to_sample, sampling = [], []  # logits rows and the sequences they sample for
             if out is not None and out.tokens is not None:
@@ -118,7 +124,7 @@ class Engine:
             if sampling:
                 only_rows = not step.from_prefix and len(sampling) == out.logits.shape[0]
                 logits = out.logits if only_rows else torch.stack(to_sample)  # [S, V]
-                self._sample(logits, sampling, sched, rows, on_row, stats)
+                kernel_seconds += self._sample(logits, sampling, sched, rows, on_row, stats)
             for node in [n for n in node_logits if n not in sched.prefixes]:
                 del node_logits[node]
             stats.steps += 1
@@ -132,6 +138,7 @@ class Engine:
             stats.running = len(sched.running)
             if on_step is not None:
                 on_step(stats)
+            stats.step_host_seconds += time.perf_counter() - started - kernel_seconds
         pool.check()
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
@@ -155,9 +162,10 @@ class Engine:
         )
 
     def _sample(self, logits, seqs: list[Sequence], sched, rows: list[Row], on_row,
-                stats) -> None:
+                stats) -> float:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
-        output: masked in place). Unconstrained rows without logprobs take the plain path."""
+        output: masked in place). Unconstrained rows without logprobs take the plain path.
+        Returns the seconds spent in the sampling kernels (draws and log-probabilities)."""
         sp = [s.sampling for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
@@ -165,6 +173,7 @@ class Engine:
             masks = self.grammars.bitmask([seqs[i].matcher for i in constrained])
             self.grammars.apply(logits, constrained, masks)
         temperature = [p.temperature for p in sp]
+        started = time.perf_counter()
         tokens = sample(
             logits,
             temperature,
@@ -173,13 +182,17 @@ class Engine:
             [s.rng_key for s in seqs],
             [len(s.output_ids) for s in seqs],
         )
+        kernel_seconds = time.perf_counter() - started
         scored = [i for i, s in enumerate(seqs) if s.logprobs is not None]
         if scored:
+            started = time.perf_counter()
             lps = token_logprobs(logits[scored], [temperature[i] for i in scored],
                                  [tokens[i] for i in scored], [sp[i].logprobs for i in scored])
+            kernel_seconds += time.perf_counter() - started
             for i, lp in zip(scored, lps):
                 seqs[i].logprobs.append(lp)
         self._advance(seqs, tokens, sched, rows, on_row, stats)
+        return kernel_seconds
 
     def _advance(self, seqs: list[Sequence], tokens: list[int], sched, rows: list[Row], on_row,
                  stats) -> None:

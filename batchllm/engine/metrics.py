@@ -25,6 +25,8 @@ class EngineStats:
     completion_tokens: int = 0
     rows_done: int = 0
     steps: int = 0
+    steps_replayed: int = 0  # steps run from a captured CUDA graph
+    step_host_seconds: float = 0.0  # step loop time outside the forward and sampling kernels
     preemptions: int = 0
     prefix_evictions: int = 0  # shared prefixes dropped from the cache before their last user
     kv_pages_in_use: int = 0

@@ -10,6 +10,8 @@ Two runners, one per path, both from the same host batch (step_batch.py):
 
 from __future__ import annotations
 
+import time
+
 from typing import NamedTuple
 
 import numpy as np
@@ -26,6 +28,8 @@ class StepOutput(NamedTuple):
     sampled: list[Sequence]
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
     tokens: list[int] | None = None  # instead of logits: their argmax, for a greedy step
+    forward_seconds: float = 0.0  # host time spent in the model's forward (and lm_head)
+    replayed: bool = False  # run from a captured CUDA graph
 
 
 class ModelRunner:
@@ -64,6 +68,7 @@ class ModelRunner:
         if batch.groups:
             self._add_cascade(meta, batch)
         self.attention.meta = meta
+        t0 = time.perf_counter()
         h = self.model.hidden(
             torch.from_numpy(batch.ids).to(dev),
             torch.from_numpy(batch.positions).to(dev),
@@ -72,8 +77,12 @@ class ModelRunner:
         )  # [S, H]
         tokens = self.model.greedy(h) if greedy else None
         if tokens is not None:
-            return StepOutput(None, batch.sampled, batch.prefill_tokens, tokens.tolist())
-        return StepOutput(self.model.logits(h), batch.sampled, batch.prefill_tokens)
+            tokens = tokens.tolist()
+            return StepOutput(None, batch.sampled, batch.prefill_tokens, tokens,
+                              time.perf_counter() - t0)
+        logits = self.model.logits(h)
+        return StepOutput(logits, batch.sampled, batch.prefill_tokens, None,
+                          time.perf_counter() - t0)
 
     def _add_cascade(self, meta: StepMetadata, batch: StepBatch) -> None:
         dev = self.device

@@ -158,6 +158,8 @@ class Runtime:
             preemptions=stats.preemptions,
             prefix_evictions=stats.prefix_evictions,
             steps=stats.steps,
+            steps_replayed=stats.steps_replayed,
+            step_host_seconds=stats.step_host_seconds,
             plan_seconds=planned_at - start,
             run_seconds=end - planned_at,
             device=str(model.device),
