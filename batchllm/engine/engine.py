@@ -7,7 +7,6 @@ scheduled token, advance the counters, sample, stop, and hand finished rows back
 from __future__ import annotations
 
 import time
-
 from collections.abc import Callable
 
 import numpy as np

@@ -11,7 +11,6 @@ Two runners, one per path, both from the same host batch (step_batch.py):
 from __future__ import annotations
 
 import time
-
 from typing import NamedTuple
 
 import numpy as np
