@@ -19,6 +19,8 @@ from pathlib import Path
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 pytest.importorskip("triton")
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -12,6 +12,8 @@ from triton_interpreter import load
 
 from batchllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 PROMPTS = nested_prompts()[:6]  # a shared system prompt, two templates, a document
 
 

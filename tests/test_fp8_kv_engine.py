@@ -33,6 +33,8 @@ from batchllm.model.fp8_checkpoint import take_kv_scales
 from batchllm.plan_report import memory_report
 from kernels.reference.paged_attention import paged_attention_ref
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 KV_MARGIN = 0.5  # logits; measured worst 0.28 (module docstring)
 PROMPTS = nested_prompts()[:8]
 TOKENS = 6

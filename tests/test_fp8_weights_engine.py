@@ -32,6 +32,8 @@ from batchllm.model.fp8_checkpoint import take_fp8_weights
 from batchllm.model.fp8_linear import Fp8Linear
 from batchllm.model.fp8_weights import Fp8Weight, weight_bytes
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 PROMPTS = nested_prompts()[:6]
 TOKENS = 6
 # logits. Measured (scripts/measure_fp8.py weights --backend triton, 48 prompts x 16 tokens on

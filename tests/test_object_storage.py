@@ -12,6 +12,8 @@ import pyarrow.parquet as pq
 import pytest
 from job_files import OPS_ROWS, ops_job, ops_reference, run_cli, start_cli
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 moto_server = pytest.importorskip("moto.server", reason="pip install 'moto[server]'")
 boto3 = pytest.importorskip("boto3")
 

@@ -68,6 +68,8 @@ def write_then_hold(self, rows):
             time.sleep(60)
 CheckpointWriter._write_part = write_then_hold
 from batchllm.cli import app
+
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
 app()
 """
 

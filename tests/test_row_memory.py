@@ -18,9 +18,13 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from measure_row_memory import measure, write_job
+
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
 
 SMALL, LARGE = 200, 1000
 BOUND = 32 * 1024  # bytes per extra row: measured 15,500 (module docstring)

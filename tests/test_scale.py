@@ -32,6 +32,8 @@ from batchllm.rows.writer import CheckpointWriter
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import actor_name
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 ray = pytest.importorskip("ray")
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")

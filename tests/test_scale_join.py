@@ -19,6 +19,8 @@ from test_scale import make_job
 
 from batchllm.job import run_job
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 ray = pytest.importorskip("ray")
 
 

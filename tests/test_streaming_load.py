@@ -22,6 +22,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 from measure_load_rss import measure, random_llama
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 SLACK_MB = 48  # weights.TRIM_BYTES of untrimmed holes and the interpreter's noise: measured
 # 19-35 MB above the model and its largest tensor here
 

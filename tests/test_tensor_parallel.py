@@ -12,6 +12,8 @@ from test_engine_equivalence import MAX_TOKENS, nested_prompts, reference
 from batchllm import LLM, SamplingParams
 from batchllm.engine import tensor_parallel
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 
 def run_tp2(kind: str, **settings) -> dict:
     settings.setdefault("kv_cache_memory", 64 << 20)

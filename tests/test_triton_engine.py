@@ -32,6 +32,8 @@ pytest.importorskip("triton")
 
 from batchllm import LLM, SamplingParams
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 MAX_TOKENS = 6
 # On a GPU the same test runs compiled, its decode graphs captured and replayed.
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"

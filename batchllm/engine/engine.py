@@ -164,7 +164,8 @@ class Engine:
                 stats) -> float:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
         output: masked in place). Unconstrained rows without logprobs take the plain path.
-        Returns the seconds spent in the sampling kernels (draws and log-probabilities)."""
+        Returns the seconds spent in the sampling kernel (the draws; the log-probabilities'
+        records are host work)."""
         sp = [s.sampling for s in seqs]
         constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
@@ -183,11 +184,9 @@ class Engine:
         )
         kernel_seconds = time.perf_counter() - started
         scored = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        if scored:
-            started = time.perf_counter()
+        if scored:  # host time: it builds Python records per token (issue 28 item 2)
             lps = token_logprobs(logits[scored], [temperature[i] for i in scored],
                                  [tokens[i] for i in scored], [sp[i].logprobs for i in scored])
-            kernel_seconds += time.perf_counter() - started
             for i, lp in zip(scored, lps):
                 seqs[i].logprobs.append(lp)
         self._advance(seqs, tokens, sched, rows, on_row, stats)
