@@ -51,3 +51,21 @@ def test_tp2_a_rank_dying_fails_with_one_line() -> None:
     tensor_parallel._current.procs[0].kill()
     with pytest.raises(tensor_parallel.RankFailed, match=r"rank 1 exited with code -9"):
         llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+
+
+def test_batchllm_run_with_tensor_parallel_2_writes_the_tp1_file(tmp_path) -> None:
+    """The command a user runs: the job's process is rank 0 and spawns rank 1; the output's
+    completions, finish reasons and token counts are those of tensor_parallel: 1."""
+    import pyarrow.parquet as pq
+    from job_files import run_cli, tiny_job
+
+    prompts = [f"Question {i}: what does clause {i} of the lease say about rent?" for i in range(8)]
+    tables = {}
+    for n in (1, 2):
+        job = tiny_job(tmp_path, f"tp{n}", "tp", prompts, {"max_tokens": MAX_TOKENS},
+                       {"tensor_parallel": n, "kv_cache_memory": "64MiB"})
+        proc = run_cli("run", str(job), "--quiet")
+        assert proc.returncode == 0, proc.stderr
+        tables[n] = pq.read_table(tmp_path / f"tp{n}" / "out.parquet").select(
+            ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"])
+    assert tables[2].equals(tables[1])
