@@ -142,6 +142,7 @@ def _finalize_peak(tmp: Path, lines: int, group_bytes: int) -> int:
     return int(done.stdout.split()[-1])
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="Linux's peak RSS reset")
 def test_finalize_memory_does_not_grow_with_the_lines(tmp_path):
     """Between 1,500 and 6,000 lines (about 1 KB each as parts hold them), finalize's peak grows

@@ -181,6 +181,7 @@ def test_a_tokenizer_transformers_cleans_up_is_transformers(tmp_path: Path) -> N
         assert loaded.decode(ids) == AutoTokenizer.from_pretrained(tmp_path).decode(ids)
 
 
+@pytest.mark.slow
 def test_a_warm_load_imports_no_transformers(tmp_path: Path) -> None:
     """Loading, encoding and decoding; a chat template is transformers' to render
     (model/chat_template.py says why), so rendering one imports it."""

@@ -25,6 +25,8 @@ from batchllm.resume import job_fingerprint
 from batchllm.rows.reader import read_input
 from batchllm.rows.writer import CheckpointWriter
 
+pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
+
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 ROWS = 96
 
@@ -68,8 +70,6 @@ def write_then_hold(self, rows):
             time.sleep(60)
 CheckpointWriter._write_part = write_then_hold
 from batchllm.cli import app
-
-pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
 app()
 """
 

@@ -41,6 +41,7 @@ def _listening(root: psutil.Process) -> list[tuple[str, str, int]]:
     return out
 
 
+@pytest.mark.slow
 def test_a_local_instance_listens_on_loopback_only_in_a_private_folder(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     if ray.is_initialized():

@@ -67,6 +67,7 @@ def _resume_gives_the_uninterrupted_file(job: Path, out: Path) -> None:
     assert final.schema.metadata == reference.schema.metadata
 
 
+@pytest.mark.slow
 def test_full_tmpfs_stops_with_one_line_and_resume_completes(tmp_path, small_disk):
     out_dir = small_disk / f"job-{uuid.uuid4().hex[:6]}"
     job = ops_job(tmp_path, "run", output={"path": str(out_dir / "out.parquet")})
@@ -78,6 +79,7 @@ def test_full_tmpfs_stops_with_one_line_and_resume_completes(tmp_path, small_dis
     _resume_gives_the_uninterrupted_file(job, out)
 
 
+@pytest.mark.slow
 def test_injected_enospc_stops_with_one_line_and_resume_completes(tmp_path):
     job = ops_job(tmp_path, "run")
     out = tmp_path / "run" / "out.parquet"
