@@ -11,7 +11,6 @@ import torch
 from hf_reference import assert_tokens_match, hf_greedy_reference, tiny_model_folder
 
 from batchllm import LLM, SamplingParams
-from kernels.cpu import linear as cpu_linear
 
 MAX_TOKENS = 10
 

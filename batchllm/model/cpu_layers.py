@@ -20,7 +20,6 @@ from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import layers as cpu_layers
-from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
 from kernels.cpu.checks import address, int32_indices
