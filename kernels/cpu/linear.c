@@ -18,7 +18,6 @@
  * Every y[r, j] is the same chain of FMAs over k whatever the tile height, so the argmax entry
  * sees exactly the values the product writes: its argmax is that of the written logits, the
  * first maximum on ties (NaN above everything, as torch.argmax).
-
  */
 #include <math.h>
 #include <stdint.h>
