@@ -1,29 +1,24 @@
-"""Micro-benchmark: the CPU projection kernel (kernels/cpu/linear.c, amx.h) on SmolLM2-135M's
+"""Micro-benchmark: the CPU projection kernel (kernels/cpu/linear.c) on SmolLM2-135M's
 shapes, with the weights streamed from memory as in a decode step, against this machine's
 bandwidth.
 
   python scripts/bench_linear.py                     # bandwidth, then the table for M = 1..64
   python scripts/bench_linear.py --rows 16,32 --repeat 3
   python scripts/bench_linear.py --cached            # one layer's weights for all 30
-  python scripts/bench_linear.py --weights float32   # three parts a weight (float32 checkpoint)
-  python scripts/bench_linear.py --fma               # the FMA tiles instead of the tile unit
-  python scripts/bench_linear.py --no-blocks         # the parts for every row count
+  python scripts/bench_linear.py --weights float32   # a float32 checkpoint's values
   python scripts/bench_linear.py --bandwidth-only
 
 Bandwidth: a sum over a 1 GiB float32 buffer (far beyond the caches) with torch at 1 and 2
 threads, the best of --repeat. The projections: 30 layers of distinct packed weights (qkv
 576 -> 960, o 576 -> 576, gate_up 576 -> 3072, down 1536 -> 576) and the lm_head 576 -> 49,152
-as greedy rows take it (its argmax, pruned on W's high part), run in the model's order for one
-step of M rows, as the engine runs them: on the tile unit from W's parts where the CPU has one,
-and up to 48 rows from W's 4-bit blocks where its values are of that form (amx_q4.h).
-The weights are random values of the checkpoint's kind (--weights): q4_1 (default: llama.cpp's
-Q4_1 of normal values, d q + m of a 4-bit q and float16 d, m a block of 32, as SmolLM2's layers:
-two parts a weight, and the blocks), float32 (three parts) or bf16 (one). Each call timed, the
-best of --repeat steps kept per shape. The floor of a step is max(bytes / bandwidth, flops /
-peak): the bytes are the weights read once per step (the parts, or the blocks where a product
-takes them; the lm_head's high part), and the table shows the step's time against bytes /
-bandwidth ("floor %": 100 means the weights streamed at full bandwidth). Where the blocks are
-taken the bytes are few and the floor far below: the tile unit's work bounds those steps.
+as greedy rows take it (its argmax), run in the model's order for one step of M rows, as the
+engine runs them, on the FMA tiles from W's float32 panels. The weights are random values of the
+checkpoint's kind (--weights): q4_1 (default: llama.cpp's Q4_1 of normal values, d q + m of a
+4-bit q and float16 d, m a block of 32, as SmolLM2's layers), float32 or bf16 (the same speed:
+the panels are float32 whatever the values). Each call timed, the best of --repeat steps kept
+per shape. The floor of a step is max(bytes / bandwidth, flops / peak): the bytes are the
+weights' panels read once per step, and the table shows the step's time against bytes /
+bandwidth ("floor %": 100 means the weights streamed at full bandwidth).
 --cached runs one layer's weights (12 MB) thirty times, so they come from the last-level cache,
 not from memory. A streamed step of 17-64 rows takes about its first 16 rows' step plus the
 cached step's time past 16 rows: the row tiles after the first, whose weights come from L2, do
@@ -80,19 +75,13 @@ def checkpoint_values(n: int, k: int, kind: str, gen: torch.Generator) -> torch.
     return w.bfloat16().float() if kind == "bf16" else w
 
 
-def make_weights(kind: str, fma: bool, cached: bool, blocks: bool) -> list[tuple]:
-    """(shape name, panels, parts or None, blocks or None, argmax bounds or None, N) for every
-    projection of one step, in the model's order; with cached, the first layer's weights for
-    every layer."""
+def make_weights(kind: str, cached: bool) -> list[tuple]:
+    """(shape name, panels, N) for every projection of one step, in the model's order; with
+    cached, the first layer's weights for every layer."""
     gen = torch.Generator().manual_seed(0)
-    amx = cpu_linear.uses_amx() and not fma
 
     def packed(name: str, k: int, n: int) -> tuple:
-        panels = cpu_linear.pack_panels(checkpoint_values(n, k, kind, gen))
-        parts = cpu_linear.split_parts(panels) if amx else None
-        q4 = cpu_linear.pack_q4(panels) if amx and blocks and name != HEAD[0] else None
-        bounds = cpu_linear.argmax_bounds(panels) if amx and name == HEAD[0] else None
-        return name, panels, parts, q4, bounds, n
+        return name, cpu_linear.pack_panels(checkpoint_values(n, k, kind, gen)), n
 
     layer = [packed(name, k, n) for name, k, n in LAYER_SHAPES]
     out = list(layer)
@@ -102,30 +91,19 @@ def make_weights(kind: str, fma: bool, cached: bool, blocks: bool) -> list[tuple
     return out
 
 
-def streamed_bytes(panels: torch.Tensor, parts: torch.Tensor | None,
-                   blocks: torch.Tensor | None, head: bool, m: int) -> int:
-    """Bytes a step of m rows reads of a weight: its blocks where it takes them, else its parts
-    (the lm_head's argmax: the high part alone, at least), else its float32 panels."""
-    if blocks is not None and m <= cpu_linear.BLOCK_ROWS:
-        return blocks.numel()
-    if parts is None:
-        return panels.numel() * 4
-    return parts[:, :1].numel() * 2 if head else parts.numel() * 2
-
-
 def step_times(weights, m: int, repeat: int) -> dict[str, float]:
     """Seconds per shape (summed over the layers) of one step of m rows, best of repeat."""
     xs = {k: torch.randn(m, k) for k in (HIDDEN, INTER)}
     best: dict[str, float] = {}
     for _ in range(repeat + 1):  # one warm-up step
         spent: dict[str, float] = {}
-        for name, panels, parts, blocks, bounds, n in weights:
+        for name, panels, n in weights:
             x = xs[panels.shape[1]]
             t0 = time.perf_counter()
             if name == HEAD[0]:
-                cpu_linear.linear_argmax(x, panels, None, n, parts, bounds)
+                cpu_linear.linear_argmax(x, panels, None, n)
             else:
-                cpu_linear.linear(x, panels, None, n, parts, blocks)
+                cpu_linear.linear(x, panels, None, n)
             spent[name] = spent.get(name, 0.0) + time.perf_counter() - t0
         spent["step"] = sum(spent.values())
         best = {k: min(v, best.get(k, float("inf"))) for k, v in spent.items()}
@@ -139,9 +117,6 @@ def main() -> None:
     p.add_argument("--bandwidth-only", action="store_true")
     p.add_argument("--weights", choices=("q4_1", "float32", "bf16"), default="q4_1",
                    help="the checkpoint's kind of values (default q4_1, as SmolLM2's)")
-    p.add_argument("--fma", action="store_true", help="the FMA tiles, not the tile unit")
-    p.add_argument("--no-blocks", action="store_true",
-                   help="the parts for every row count, not the 4-bit blocks up to 48 rows")
     p.add_argument("--cached", action="store_true",
                    help="one layer's weights for all 30 (from the last-level cache)")
     p.add_argument("--threads", type=int, default=None,
@@ -155,16 +130,12 @@ def main() -> None:
     print(f"# streaming read of 1 GiB: 1 thread {bw[1]:.1f} GB/s, 2 threads {bw[2]:.1f} GB/s")
     if a.bandwidth_only:
         return
-    weights = make_weights(a.weights, a.fma, a.cached, not a.no_blocks)
-    planes = next((w[2].shape[1] for w in weights if w[2] is not None), 0)
-    has_blocks = any(w[3] is not None for w in weights)
-    print(f"# {a.weights} weights, " + (f"the tile unit, {planes} part(s) a weight"
-                                        if planes else "the FMA tiles, float32 panels")
-          + (f", 4-bit blocks up to {cpu_linear.BLOCK_ROWS} rows" if has_blocks else "")
+    weights = make_weights(a.weights, a.cached)
+    print(f"# {a.weights} weights, the FMA tiles, float32 panels"
           + (", one layer's weights for all 30 (cached)" if a.cached else ""))
     shapes = [s[0] for s in LAYER_SHAPES] + [HEAD[0]]
     flops_per_row = {s: 0 for s in shapes}
-    for name, panels, *_, n in weights:
+    for name, panels, n in weights:
         flops_per_row[name] += 2 * panels.shape[1] * n
     rate = bw[min(threads, 2)]
     print(f"# floor: the bytes read from memory a step at {rate:.1f} GB/s"
@@ -173,9 +144,9 @@ def main() -> None:
           + f" {'step ms':>8} {'GFLOP/s':>8} {'MB':>6} {'floor %':>8}   (GFLOP/s per shape)")
     for m in (int(r) for r in a.rows.split(",")):
         seen, total_bytes = set(), 0
-        for name, panels, parts, blocks, _, _ in weights:
+        for _, panels, _ in weights:
             if id(panels) not in seen:  # cached: the same weight read again comes from cache
-                total_bytes += streamed_bytes(panels, parts, blocks, name == HEAD[0], m)
+                total_bytes += panels.numel() * 4
                 seen.add(id(panels))
         t = step_times(weights, m, a.repeat)
         rates = " ".join(f"{flops_per_row[s] * m / t[s] / 1e9:8.1f}" for s in shapes)

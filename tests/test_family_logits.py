@@ -35,7 +35,7 @@ def test_logits_equal_transformers(kind: str) -> None:
     ids = torch.randint(5, 4000, (CHUNKS[-1][1],), generator=torch.Generator().manual_seed(0))
     # transformers' forward in float64: its float32 forward is itself up to 1.2e-3 off that on
     # these models (Mistral), as far as the tolerance, where ours is within 5e-4 with the FMA
-    # tiles and 4e-4 on the AMX tile unit. The MoE families in float32: transformers' grouped
+    # tiles. The MoE families in float32: transformers' grouped
     # expert product takes no float64.
     dtype = torch.float32 if kind in MOE_KINDS else torch.float64
     with torch.no_grad():

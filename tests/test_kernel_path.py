@@ -29,7 +29,7 @@ def test_the_c_path_is_named_by_the_cpus_widest_vector_unit():
     if cpu_linear.load() is None:
         pytest.skip("the C kernels cannot be built here (no compiler or no safe folder)")
     want = "cpu-c-avx512" if "avx512f" in flags else "cpu-c-avx2"
-    assert kernel_path("cpu", "float32") == want  # never an AMX name, AMX or not
+    assert kernel_path("cpu", "float32") == want  # the vector unit's name, whatever else the CPU has
 
 
 def test_switched_off_the_torch_path_is_named(monkeypatch):

@@ -1,9 +1,7 @@
 """The C projection kernel's own paths (kernels/cpu/linear.c), called directly, as built for this
-machine and with AVX-512, then AVX2 switched off, and on the tile unit (AMX, amx.h) where this
-CPU has it: every tile height (1 .. 24 rows with AVX-512, 1 .. 6 otherwise; on the tile unit
-one to several 16-row tiles, groups of four panels and a last group of fewer) and the even cuts
-past it, products small enough to run on one thread and large enough to fork, odd N and K, bias
-or none; weights of two parts and of three on the tile unit; and the argmax entry that
+machine and with AVX-512, then AVX2 switched off: every tile height (1 .. 24 rows with AVX-512,
+1 .. 6 otherwise) and the even cuts past it, products small enough to run on one thread and
+large enough to fork, odd N and K, bias or none; and the argmax entry that
 the greedy rows' lm_head takes, which must return torch.argmax of the kernel's own logits exactly
 (first maximum on ties, NaN highest), planted ties included."""
 
@@ -29,37 +27,6 @@ def kernel(request, monkeypatch):
         monkeypatch.setattr(cpu_linear, "load", functools.cache(cpu_linear.load.__wrapped__))
     if cpu_linear.load() is None:
         pytest.skip("the C projection kernel cannot be built here")
-
-
-@pytest.fixture(autouse=True, params=["fma", "amx", "pruned"])
-def path(request, kernel, monkeypatch):
-    """fma: the panels alone; amx: with their parts, so that the products run on the tile unit;
-    pruned: the argmax also given its bounds (the high parts first, amx_argmax.h)."""
-    if request.param != "fma":
-        if not cpu_linear.uses_amx():
-            pytest.skip("no tile unit here (a CPU without AMX-BF16, or a build without AVX-512)")
-        for name in ("linear", "linear_argmax"):
-            fn = getattr(cpu_linear, name)
-            monkeypatch.setattr(cpu_linear, name, functools.partial(_with_parts, fn))
-        if request.param == "pruned":
-            if getattr(request.node, "callspec", None) and request.node.callspec.params.get("bias"):
-                pytest.skip("a bias: the argmax takes the whole product, as on the amx path")
-            monkeypatch.setattr(cpu_linear, "linear_argmax",
-                                functools.partial(_with_bounds, _ARGMAX))
-    return request.param
-
-
-_LINEAR = cpu_linear.linear  # as the module defines them: the parts passed or not by the caller
-_ARGMAX = cpu_linear.linear_argmax
-
-
-def _with_parts(fn, x, panels, bias, n):
-    return fn(x, panels, bias, n, cpu_linear.split_parts(panels))
-
-
-def _with_bounds(fn, x, panels, bias, n):
-    return fn(x, panels, bias, n, cpu_linear.split_parts(panels),
-              cpu_linear.argmax_bounds(panels))
 
 
 def packed(w: torch.Tensor, b: torch.Tensor | None):
@@ -166,78 +133,3 @@ def test_argmax_nan_and_minus_inf_as_torch():
 def test_argmax_of_no_rows():
     panels, _ = packed(torch.randn(40, 8), None)
     assert cpu_linear.linear_argmax(torch.empty(0, 8), panels, None, 40).shape == (0,)
-
-
-def test_the_tile_unit_runs_where_the_cpu_has_it(path):
-    """On a CPU with AMX-BF16 the products take the tile unit: its sums differ from the FMA
-    chains in the last bits (another order), stay as close to float64, and a row's values do not
-    depend on how many rows its product has (1 to 97: one 16-row tile to seven, the last part
-    full)."""
-    with open("/proc/cpuinfo") as f:
-        has_amx = " amx_bf16" in f.read()
-    if not has_amx or path != "amx":
-        pytest.skip("the tile unit's own check: a CPU with AMX-BF16, the amx path")
-    assert cpu_linear.uses_amx()
-    gen = torch.Generator().manual_seed(7)
-    n, k = 211, 333
-    w, x = torch.randn(n, k, generator=gen), torch.randn(97, k, generator=gen)
-    panels, _ = packed(w, None)
-    parts = cpu_linear.split_parts(panels)
-    tiles = _LINEAR(x, panels, None, n, parts)
-    fmas = _LINEAR(x, panels, None, n, None)
-    assert not torch.equal(tiles, fmas)
-    expected = F.linear(x.double(), w.double())
-    assert (tiles.double() - expected).abs().max() <= (fmas.double() - expected).abs().max()
-    for m in (1, 2, 15, 16, 17, 31, 32, 33, 48, 64):
-        assert torch.equal(_LINEAR(x[:m], panels, None, n, parts), tiles[:m])
-
-
-def dequantized(n: int, k: int, gen: torch.Generator) -> torch.Tensor:
-    """W [n, k] as a Q4_1 checkpoint dequantizes it (gguf: float16 scale d and offset m per 32
-    values, q in 0..15, d * q + m in float32): values of at most 16 significant bits."""
-    q = torch.randint(0, 16, (n, -(-k // 32), 32), generator=gen).float()
-    d = (torch.rand(n, q.shape[1], 1, generator=gen) * 0.01).half().float()
-    m = (-8 * d - torch.rand(n, q.shape[1], 1, generator=gen) * 1e-3).half().float()
-    return (d * q + m).reshape(n, -1)[:, :k].contiguous()
-
-
-@pytest.mark.parametrize("kind, planes", [("dequantized", 2), ("bfloat16", 1)])
-def test_a_weight_of_fewer_bits_streams_fewer_parts_with_the_same_sums(path, kind, planes):
-    """Where every W value fits h + m (l all zero, as in a dequantized checkpoint) split_parts
-    keeps two parts, where it fits h alone (a bfloat16 checkpoint) one, and the tile unit skips
-    the products the others would add: the same values, bit for bit, as with their zeros kept
-    and multiplied, for every row count; a float32 weight of full precision keeps its three."""
-    if path != "amx":
-        pytest.skip("the tile unit's parts")
-    gen = torch.Generator().manual_seed(11)
-    n, k = 211, 333
-    assert cpu_linear.split_parts(packed(torch.randn(n, k, generator=gen), None)[0]).shape[1] == 3
-    if kind == "bfloat16":
-        w = torch.randn(n, k, generator=gen).bfloat16().float()
-    else:
-        w = dequantized(n, k, gen)
-    b = torch.randn(n, generator=gen)
-    panels, pb = packed(w, b)
-    few = cpu_linear.split_parts(panels)
-    assert few.shape[1] == planes
-    three = torch.cat([few, torch.zeros_like(few[:, :1]).expand(-1, 3 - planes, -1, -1)],
-                      dim=1).contiguous()
-    x = torch.randn(97, k, generator=gen)
-    expected = F.linear(x.double(), w.double(), b.double())
-    full = _LINEAR(x, panels, pb, n, few)
-    for m in ROWS:
-        y = _LINEAR(x[:m], panels, pb, n, few)
-        assert torch.equal(y, _LINEAR(x[:m], panels, pb, n, three)), f"{m} rows"
-        assert torch.equal(y, full[:m]), f"{m} rows: not the same as among 97"
-        torch.testing.assert_close(y.double(), expected[:m], rtol=1e-5, atol=1e-4)
-        ids = _ARGMAX(x[:m], panels, pb, n, few)
-        assert torch.equal(ids, y.argmax(-1)), f"{m} rows"
-        ids = _ARGMAX(x[:m], panels, None, n, few, cpu_linear.argmax_bounds(panels))
-        assert torch.equal(ids, _LINEAR(x[:m], panels, None, n, few).argmax(-1)), f"{m} rows"
-
-
-def test_parts_that_do_not_match_their_panels_are_refused(path):
-    panels, _ = packed(torch.randn(40, 40), None)
-    wrong = torch.zeros(3, 4, 32, 32, dtype=torch.int16)  # 4 parts, K of 64
-    with pytest.raises(ValueError, match="parts of panels"):
-        _LINEAR(torch.randn(2, 40), panels, None, 40, wrong)

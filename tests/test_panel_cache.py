@@ -1,8 +1,7 @@
 """The panel file (batchllm/model/panel_cache.py, panel_file.py): a warm load maps it and lays
-out nothing (no packing, no splitting into the tile unit's parts, no search for 4-bit blocks);
-what it serves is what a build without it makes, bit for bit; a changed weight file, a changed
-layout, a truncated or damaged file, a header whose planes or blocks do not place its tensors
-are never served: everything is laid out again, the file rewritten, and the model's logits
+out nothing (no packing); what it serves is what a build without it makes, bit for bit; a
+changed weight file, a changed layout, a truncated or damaged file, a header whose entries do
+not place its tensors are never served: everything is laid out again, the file rewritten, and the model's logits
 still equal transformers'."""
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ import pytest
 import torch
 from hf_reference import tiny_model_folder
 from safetensors.torch import load_file, save_file
-from test_q4_blocks import q4_1
 from transformers import AutoModelForCausalLM
 
 from batchllm.model import panel_cache, panel_file
@@ -59,36 +57,6 @@ def _counted(monkeypatch: pytest.MonkeyPatch, name: str) -> list[int]:
 def packs(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """How many weights were packed: one entry per call of the packing function."""
     return _counted(monkeypatch, "pack_panels")
-
-
-@pytest.fixture
-def made(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[int]]:
-    """The calls of each function that lays a weight out (packing, splitting, finding blocks)."""
-    return {name: _counted(monkeypatch, name) for name in ("pack_panels", "split_parts",
-                                                           "pack_q4")}
-
-
-@pytest.fixture
-def tiles() -> None:
-    if not cpu_linear.uses_amx():
-        pytest.skip("no tile unit here (a CPU without AMX-BF16): no parts or blocks are made")
-
-
-@pytest.fixture
-def q4_folder(folder: Path) -> Path:
-    """The tiny Llama as a checkpoint whose values need each planes count: its projections
-    dequantized from Q4_1 (two parts and 4-bit blocks), layer 1's o_proj bfloat16 values (one
-    part), the tied lm_head float32 (three parts)."""
-    weights = folder / "model.safetensors"
-    state = load_file(weights)
-    gen = torch.Generator().manual_seed(4)
-    for name, w in state.items():
-        if name.endswith("_proj.weight"):
-            state[name] = q4_1(*w.shape, gen)
-    o = "model.layers.1.self_attn.o_proj.weight"
-    state[o] = state[o].bfloat16().float()
-    save_file(state, weights, metadata={"format": "pt"})
-    return folder
 
 
 def load(folder: Path) -> LoadedModel:
@@ -139,12 +107,11 @@ def projections(loaded: LoadedModel) -> list[Linear]:
     return [model.lm_head, *layers]
 
 
-_LAID = ("panels", "panel_bias", "parts", "blocks")
+_LAID = ("panels", "panel_bias")
 
 
 def assert_laid_out_alike(served: LoadedModel, made_here: LoadedModel, rows=(1, 64)) -> None:
-    """Every projection's panels, bias, parts and blocks bit for bit, and its products of
-    `rows` rows (the blocks' path up to 48 rows, the parts' above)."""
+    """Every projection's panels and bias bit for bit, and its products of `rows` rows."""
     gen = torch.Generator().manual_seed(2)
     pairs = list(zip(projections(served), projections(made_here), strict=True))
     for s, m in pairs:
@@ -157,72 +124,18 @@ def assert_laid_out_alike(served: LoadedModel, made_here: LoadedModel, rows=(1, 
             assert torch.equal(s(x[:r]), m(x[:r])), f"{r} rows"
 
 
-def test_warm_load_maps_parts_and_blocks_and_makes_none(
-        q4_folder: Path, made: dict[str, list[int]], tiles: None,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    cold = load(q4_folder)
-    count = len(projections(cold))
-    assert cold.panel_cache == "written"
-    assert [len(calls) for calls in made.values()] == [count] * 3
-    for calls in made.values():
-        calls.clear()
-    warm = load(q4_folder)
-    assert warm.panel_cache == "hit" and [len(calls) for calls in made.values()] == [0] * 3
-    served = projections(warm)
-    assert [p.parts.shape[1] for p in served] == [3, 2, 2, 2, 2, 2, 1, 2, 2]  # as q4_folder's
-    assert [p.blocks is not None for p in served] == [False] + [True] * 5 + [False, True, True]
-    monkeypatch.setenv("BATCHLLM_PANEL_CACHE", "0")
-    assert_laid_out_alike(warm, load(q4_folder), rows=(1, 5, 17, 48, 49, 64))
-    assert_logits_equal_transformers(warm, q4_folder)
-
-
 @pytest.mark.slow  # loads the real SmolLM2 model
 def test_real_checkpoint_served_bit_for_bit(smollm2_folder: Path, tmp_path: Path,
-                                            made: dict[str, list[int]], tiles: None,
+                                            packs: list[int],
                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    """SmolLM2-135M: its layers' blocks (Q4_1 in the GGUF) and lm_head's parts (Q8_0) come
-    from the file as they were made."""
+    """SmolLM2-135M: its panels come from the file as they were made."""
     monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
     cold = load(smollm2_folder)
     assert cold.panel_cache == "written"
-    for calls in made.values():
-        calls.clear()
+    packs.clear()
     warm = load(smollm2_folder)
-    assert warm.panel_cache == "hit" and [len(calls) for calls in made.values()] == [0] * 3
-    assert all(p.blocks is not None for p in projections(warm)[1:])
+    assert warm.panel_cache == "hit" and packs == []
     assert_laid_out_alike(warm, cold, rows=(1, 20, 64))
-
-
-_AMX = cpu_linear.uses_amx
-
-
-def _untiled(monkeypatch: pytest.MonkeyPatch, off: bool) -> None:
-    """Linear's view of the machine: without the tile unit (off), or as it is."""
-    monkeypatch.setattr(cpu_linear, "uses_amx", (lambda: False) if off else _AMX)
-
-
-def test_a_file_without_parts_is_rebuilt_where_tiles_run(
-        q4_folder: Path, made: dict[str, list[int]], tiles: None,
-        monkeypatch: pytest.MonkeyPatch) -> None:
-    """Written without the tile unit: no parts or blocks, a miss where the tile unit runs; a
-    file with them is a hit without it, its parts unused."""
-    _untiled(monkeypatch, True)
-    assert load(q4_folder).panel_cache == "written" and not made["split_parts"]
-    entries = panel_file.read_header(the_file(q4_folder))["entries"]
-    assert all(e["parts"] is None and e["blocks"] is None for e in entries)
-    _untiled(monkeypatch, False)
-    rebuilt = load(q4_folder)
-    assert rebuilt.panel_cache == "written" and made["split_parts"]
-    assert all(p.parts is not None for p in projections(rebuilt))
-    _untiled(monkeypatch, True)
-    for calls in made.values():
-        calls.clear()
-    untiled = load(q4_folder)
-    assert untiled.panel_cache == "hit" and not any(made.values())
-    assert all(p.parts is None and p.blocks is None for p in projections(untiled))
-    assert_logits_equal_transformers(untiled, q4_folder)
-    _untiled(monkeypatch, False)
-    assert load(q4_folder).panel_cache == "hit"
 
 
 def _edit_header(path: Path, edit) -> None:
@@ -237,65 +150,55 @@ def _edit_header(path: Path, edit) -> None:
         f.write(panel_file._PREFIX.pack(panel_file.MAGIC, len(text), zlib.crc32(text)) + text)
 
 
-# The entries of q4_folder: the lm_head's (3 planes, no blocks), then layer 0's qkv (2 planes,
-# blocks), ..., layer 1's down (2 planes, blocks).
-def _first_planes_2(header: dict) -> None:
-    header["entries"][0]["planes"] = 2
+# The entries of the tiny Llama: the lm_head's, then each layer's qkv, o, gate_up, down (no
+# biases).
+def _second_bias_added(header: dict) -> None:
+    header["entries"][1]["bias"] = header["entries"][1]["panels"]
 
 
-def _second_planes_3(header: dict) -> None:
-    header["entries"][1]["planes"] = 3
+def _last_panels_dropped(header: dict) -> None:
+    header["entries"][-1]["panels"] = None  # only the length can tell
 
 
-def _last_planes_1(header: dict) -> None:
-    header["entries"][-1]["planes"] = 1  # only the length can tell
+def _last_shape_wider(header: dict) -> None:
+    header["entries"][-1]["shape"][1] += 16
 
 
-def _first_blocks_added(header: dict) -> None:
-    header["entries"][0]["blocks"] = header["entries"][0]["parts"]
+def _old_fields(header: dict) -> None:
+    header["entries"][0].update(parts=None, planes=None, blocks=None)  # format 2's entries
 
 
-def _last_blocks_dropped(header: dict) -> None:
-    header["entries"][-1]["blocks"] = None
-
-
-def _second_parts_dropped(header: dict) -> None:
-    header["entries"][1].update(parts=None, planes=None, blocks=None)
-
-
-@pytest.mark.parametrize("edit", [_first_planes_2, _second_planes_3, _last_planes_1,
-                                  _first_blocks_added, _last_blocks_dropped,
-                                  _second_parts_dropped])
-def test_recorded_planes_or_blocks_that_do_not_place_the_data_are_rebuilt(
-        q4_folder: Path, made: dict[str, list[int]], tiles: None, edit) -> None:
-    assert load(q4_folder).panel_cache == "written"
-    _edit_header(the_file(q4_folder), edit)
-    _assert_refused_and_rebuilt(q4_folder, made)
+@pytest.mark.parametrize("edit", [_second_bias_added, _last_panels_dropped, _last_shape_wider,
+                                  _old_fields])
+def test_recorded_entries_that_do_not_place_the_data_are_rebuilt(
+        folder: Path, packs: list[int], edit) -> None:
+    assert load(folder).panel_cache == "written"
+    _edit_header(the_file(folder), edit)
+    _assert_refused_and_rebuilt(folder, packs)
 
 
 @pytest.mark.parametrize("header_agrees", [False, True])
-def test_a_file_cut_inside_the_parts_is_rebuilt(q4_folder: Path, made: dict[str, list[int]],
-                                                tiles: None, header_agrees: bool) -> None:
-    """Cut in the last entry's parts (all before them whole); also with the header's length
+def test_a_file_cut_inside_the_panels_is_rebuilt(folder: Path, packs: list[int],
+                                                 header_agrees: bool) -> None:
+    """Cut in the last entry's panels (all before them whole); also with the header's length
     made to say so (the placement still wants the rest)."""
-    assert load(q4_folder).panel_cache == "written"
-    path = the_file(q4_folder)
-    cut = panel_file.read_header(path)["entries"][-1]["parts"] + 1000
+    assert load(folder).panel_cache == "written"
+    path = the_file(folder)
+    cut = panel_file.read_header(path)["entries"][-1]["panels"] + 1000
     with open(path, "r+b") as f:
         f.truncate(cut)
     if header_agrees:
         _edit_header(path, lambda header: header.update(file_bytes=cut))
-    _assert_refused_and_rebuilt(q4_folder, made)
+    _assert_refused_and_rebuilt(folder, packs)
 
 
-def _assert_refused_and_rebuilt(folder: Path, made: dict[str, list[int]]) -> None:
+def _assert_refused_and_rebuilt(folder: Path, packs: list[int]) -> None:
     """The folder's panel file is refused; the next load lays everything out again (every
-    maker called), writes the file and matches transformers; the one after is a hit."""
+    weight packed), writes the file and matches transformers; the one after is a hit."""
     assert panel_file.read_header(the_file(folder)) is None
-    for calls in made.values():
-        calls.clear()
+    packs.clear()
     rebuilt = load(folder)
-    assert rebuilt.panel_cache == "written" and all(made.values())
+    assert rebuilt.panel_cache == "written" and len(packs) == len(projections(rebuilt))
     assert_logits_equal_transformers(rebuilt, folder)
     assert load(folder).panel_cache == "hit"
 
@@ -331,11 +234,10 @@ def test_changed_layout_is_rebuilt(folder: Path, packs: list[int],
     assert_logits_equal_transformers(rebuilt, folder)
 
 
-@pytest.mark.parametrize("name", ["linear.py", "linear.c", "amx.h", "q4_blocks.h"])
+@pytest.mark.parametrize("name", ["linear.py", "linear.c"])
 def test_changed_packing_code_is_a_new_key(folder: Path, tmp_path: Path, name: str,
                                            monkeypatch: pytest.MonkeyPatch) -> None:
-    """The panels' packer, the C code that splits the parts (amx.h) and finds the blocks
-    (q4_blocks.h)."""
+    """The panels' packer and the C kernel that reads them."""
     before = panel_cache.source_key(folder)
     source = Path(cpu_linear.__file__).with_name(name)
     edited = tmp_path / name

@@ -28,12 +28,6 @@ SLACK_MB = 48  # weights.TRIM_BYTES of untrimmed holes and the interpreter's noi
 # 19-35 MB above the model and its largest tensor here
 
 
-@pytest.fixture(autouse=True)
-def panels_only(monkeypatch) -> None:
-    """The C kernel's panels alone: what the model holds then does not depend on the CPU."""
-    monkeypatch.setenv("BATCHLLM_CPU_AMX", "0")
-
-
 @functools.cache
 def checkpoint(saved: str) -> Path:
     root = Path(tempfile.mkdtemp(prefix="batchllm-rss-"))

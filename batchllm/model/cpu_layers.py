@@ -20,7 +20,6 @@ from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
 from kernels.cpu import layers as cpu_layers
-from kernels.cpu import linear as cpu_linear
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
 from kernels.cpu.checks import address, int32_indices
@@ -39,12 +38,8 @@ class LayeredModel(Protocol):
 
 
 def _projection(p: Linear) -> cpu_layers.Projection:
-    """p's weight as cpu_linear takes it, its parts and blocks checked once here (linear.py's
-    checks, made there at every call)."""
-    blocks = cpu_linear.checked_blocks(p.blocks, p.panels, p.parts)
-    return cpu_layers.Projection(p.panels.data_ptr(), address(p.parts),
-                                 cpu_linear.part_count(p.parts, p.panels), address(blocks),
-                                 address(p.panel_bias), p.out_features)
+    """p's weight as cpu_linear takes it."""
+    return cpu_layers.Projection(p.panels.data_ptr(), address(p.panel_bias), p.out_features)
 
 
 def _float_rows(t: torch.Tensor) -> bool:

@@ -1,13 +1,9 @@
 """The projection weights laid out for the C kernel (kernels/cpu/linear.py), kept in a file
 beside the model so that a warm start maps them instead of laying out every weight again.
 
-Each projection keeps up to four tensors, `Packed`: its panels (pack_panels, [P, K, 16]
-float32) and padded bias; where the products run on the tile unit (uses_amx()), also the
-panels split into its bfloat16 parts (split_parts, [P, planes, Kp / 2, 32] int16, 1-3 planes as
-the values ask) and, where the values are Q4_1's, the 4-bit blocks found again in them
-(pack_q4, [P, K / 32, 320] uint8). For SmolLM2-135M that is ~2.5 s of packing 538 MB, ~0.2 s
-of splitting (and first touches of 425 MB of fresh pages) and ~0.09 s of finding the blocks at
-every load; a warm start maps all of them and computes none.
+Each projection keeps up to two tensors, `Packed`: its panels (pack_panels, [P, K, 16]
+float32) and padded bias. For SmolLM2-135M that is ~2.5 s of packing 538 MB at every load; a
+warm start maps them and computes none.
 
 One file per model folder: `batchllm_panels.bin` inside a folder batchllm converted itself (the
 GGUF cache, gguf.py), else under cache_root()/panels/ (a user's own folder, or a read-only
@@ -15,16 +11,12 @@ one, is never written into); its format is panel_file.py's. The header carries t
 *.safetensors file's path, size, mtime_ns and inode, a digest of config.json, the layout: panel
 width, dtype, LAYOUT_VERSION, and a digest of the code, Python and C, that lays it out) and one
 entry a projection, in the order the model builds them. A file is served only when its header
-is whole (crc32, length, every offset where the recorded shapes and planes put it), its key
+is whole (crc32, length, every offset where the recorded shapes put it), its key
 matches and each projection asks for the shape recorded at its place; anything else (a changed
 weight file, layout or code, a truncated or damaged file, a stale order) is a miss: from there
 on everything is laid out again and the file written anew at close. The data bytes carry no
 checksum: reading 500 MB through crc32 costs 0.23 s here, as much as packing them, and they are
 trusted as the safetensors bytes they come from are.
-
-Parts and blocks are made only where the tile unit runs; a file written without it records
-them as null. Read with the tile unit, such a file is a miss (rewritten with them); a file that
-has them, read without it, is a hit whose parts and blocks are left unmapped.
 
 A hit maps the file read-only and copy-on-write (torch.from_file, shared=False): the tensors
 are the page cache's pages, read as the first forward touches them; the unpacked projections
@@ -45,7 +37,7 @@ from batchllm.model import panel_file
 from batchllm.model.panel_file import FILE_NAME, Packed, read_header
 from kernels.cpu import linear as cpu_linear
 
-LAYOUT_VERSION = 2  # the file format (2: parts and blocks); the code is in the key by its digest
+LAYOUT_VERSION = 3  # the file format (3: panels and bias only); the code is in the key by its digest
 
 _ACTIVE: contextvars.ContextVar[PanelStore | None] = contextvars.ContextVar("panel_store",
                                                                             default=None)
@@ -57,18 +49,13 @@ _CODE = [Path(__file__).parent / n for n in ("panel_cache.py", "panel_file.py", 
                                              "layers.py", "experts.py", "decoder.py",
                                              "rotary.py", "families.py")]
 _CODE += [Path(cpu_linear.__file__), Path(cpu_linear.__file__).with_suffix(".c")]
-_CODE += sorted(Path(cpu_linear.__file__).parent.glob("*.h"))  # the parts' and blocks' makers
 
 
 def pack(weight: torch.Tensor | list[torch.Tensor],  # [N, K] float32, or its row blocks
-         bias: torch.Tensor | None, tiles: bool) -> Packed:
-    """Lay out one projection: its panels and bias, and where `tiles` (the products run on the
-    tile unit: uses_amx()) its parts and 4-bit blocks."""
+         bias: torch.Tensor | None) -> Packed:
+    """Lay out one projection: its panels and bias."""
     panels = cpu_linear.pack_panels(weight)
-    bias = cpu_linear.pack_bias(bias, cpu_linear.rows(weight))
-    if not tiles:
-        return Packed(panels, bias, None, None)
-    return Packed(panels, bias, cpu_linear.split_parts(panels), cpu_linear.pack_q4(panels))
+    return Packed(panels, cpu_linear.pack_bias(bias, cpu_linear.rows(weight)))
 
 
 def source_key(folder: Path) -> dict:
@@ -125,29 +112,25 @@ class PanelStore:
             break
 
     def take(self, weight: torch.Tensor | list[torch.Tensor],  # [N, K] float32, or row blocks
-             bias: torch.Tensor | None,  # [N] or None
-             tiles: bool) -> Packed:
-        """One projection's layout (see `pack`; parts and blocks only where `tiles`); on a hit
-        `weight` is not read."""
+             bias: torch.Tensor | None) -> Packed:  # [N] or None
+        """One projection's layout (see `pack`); on a hit `weight` is not read."""
         n = cpu_linear.rows(weight)
         k = (weight if isinstance(weight, torch.Tensor) else weight[0]).shape[1]
         i = len(self._built)
         served = None
         if not self._stale and i < len(self._entries):
-            served = self._serve(self._entries[i], n, k, bias is not None, tiles)
+            served = self._serve(self._entries[i], n, k, bias is not None)
         if served is None:
             self._stale = True
-            served = pack(weight, bias, tiles)
+            served = pack(weight, bias)
         self._built.append((n, served))
         return served
 
-    def _serve(self, entry: dict, n: int, k: int, has_bias: bool, tiles: bool) -> Packed | None:
+    def _serve(self, entry: dict, n: int, k: int, has_bias: bool) -> Packed | None:
         """The views of one entry, or None where it does not describe this projection."""
         if entry["shape"] != [n, k] or (entry["bias"] is not None) != has_bias:
             return None
-        if tiles and entry["parts"] is None:  # written where the tile unit did not run
-            return None
-        return panel_file.views(self._data, entry, tiles)
+        return panel_file.views(self._data, entry)
 
     def close(self) -> str:
         """Write the file if this build made anything; returns the status."""

@@ -4,13 +4,12 @@ projection's tensors one after another.
   b"BLLMPNL1" | header length u64 | crc32 of the header u32 | header (JSON) | padding | data
 
 The header holds the store's key, one entry a projection and the file's total length. An entry
-names its shape [N, K], the offset of each of its tensors (`Packed`: panels, bias, parts,
-blocks; null where it has none) and the parts' planes (1-3, split_parts' choice from the
-values). The tensors lie in the entries' order, each at the next 64-byte boundary, from the
-first whole page after the header; their shapes follow from [N, K] and the planes. A header is
-taken only when it is exactly that placement of what it records, ending at the file's end:
-a changed planes count, a dropped or added block, a truncated file all move an offset or the
-length and are refused, as a damaged header is by its crc32.
+names its shape [N, K] and the offset of each of its tensors (`Packed`: panels, bias; null
+where it has none). The tensors lie in the entries' order, each at the next 64-byte boundary,
+from the first whole page after the header; their shapes follow from [N, K]. A header is taken
+only when it is exactly that placement of what it records, ending at the file's end: a dropped
+or added bias, a truncated file all move an offset or the length and are refused, as a damaged
+header is by its crc32.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ MAGIC = b"BLLMPNL1"
 FILE_NAME = "batchllm_panels.bin"
 _ALIGN = 64  # every tensor's offset: the kernel wants 32-byte aligned panels
 _PREFIX = struct.Struct("<8sQI")  # magic, header length, crc32 of the header
-_FIELDS = ("panels", "bias", "parts", "blocks")  # an entry's tensors, in the file's order
-_DTYPES = {"panels": torch.float32, "bias": torch.float32, "parts": torch.int16,
-           "blocks": torch.uint8}
+_FIELDS = ("panels", "bias")  # an entry's tensors, in the file's order
+_DTYPES = {"panels": torch.float32, "bias": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -43,8 +41,6 @@ class Packed:
 
     panels: torch.Tensor  # [P, K, 16] float32, P = ceil(N / 16): pack_panels
     bias: torch.Tensor | None  # [16 P] float32: pack_bias, None without a bias
-    parts: torch.Tensor | None  # [P, 1-3, Kp / 2, 32] int16: split_parts, None without tiles
-    blocks: torch.Tensor | None  # [P, K / 32, 320] uint8: pack_q4, None where not found
 
 
 def read_header(path: Path) -> dict | None:
@@ -74,16 +70,14 @@ def read_header(path: Path) -> dict | None:
     return header
 
 
-def views(data: torch.Tensor, entry: dict, tiles: bool) -> Packed:
-    """The tensors of one entry of a taken header as views of the mapped file `data` (uint8);
-    parts and blocks only where `tiles`."""
-    wanted = _FIELDS if tiles else ("panels", "bias")
+def views(data: torch.Tensor, entry: dict) -> Packed:
+    """The tensors of one entry of a taken header as views of the mapped file `data` (uint8)."""
     out = {}
     for field, shape in _shapes(entry).items():
-        if field in wanted and entry[field] is not None:
+        if entry[field] is not None:
             offset, dtype = entry[field], _DTYPES[field]
             out[field] = data[offset : offset + _bytes(shape, dtype)].view(dtype).view(shape)
-    return Packed(out["panels"], out.get("bias"), out.get("parts"), out.get("blocks"))
+    return Packed(out["panels"], out.get("bias"))
 
 
 def write(path: Path, key: dict, built: list[tuple[int, Packed]]) -> bool:
@@ -93,7 +87,6 @@ def write(path: Path, key: dict, built: list[tuple[int, Packed]]) -> bool:
     for n, packed in built:  # 0 marks a tensor that is there, placed below
         entry = {f: None if getattr(packed, f) is None else 0 for f in _FIELDS}
         entry["shape"] = [n, packed.panels.shape[1]]
-        entry["planes"] = None if packed.parts is None else packed.parts.shape[1]
         entries.append(entry)
     # The header's own length moves the data: room for it is reserved in whole pages (each
     # offset grows by 10 digits at most once placed).
@@ -122,10 +115,8 @@ def write(path: Path, key: dict, built: list[tuple[int, Packed]]) -> bool:
 def _shapes(entry: dict) -> dict[str, tuple[int, ...]]:
     """Each tensor's shape in an entry, where it is there (kernels/cpu/linear.py's)."""
     n, k = entry["shape"]
-    count, kp = -(-n // cpu_linear.PANEL), -(-k // 32) * 32
-    return {"panels": (count, k, cpu_linear.PANEL), "bias": (count * cpu_linear.PANEL,),
-            "parts": (count, entry["planes"], kp // 2, 2 * cpu_linear.PANEL),
-            "blocks": (count, k // 32, cpu_linear.Q4_BYTES)}
+    count = -(-n // cpu_linear.PANEL)
+    return {"panels": (count, k, cpu_linear.PANEL), "bias": (count * cpu_linear.PANEL,)}
 
 
 def _bytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
@@ -146,20 +137,16 @@ def _place(entries: list[dict], start: int) -> int:
 
 
 def _well_formed(header: dict, data: int) -> bool:
-    """Whether the header's entries are what `write` makes of their shapes and planes: each
-    offset where _place puts it from the first, itself at or after `data` (the header's end),
-    the data ending at the file's end; parts of 1-3 planes; blocks only beside parts and where
-    K is a multiple of 32."""
+    """Whether the header's entries are what `write` makes of their shapes: each offset where
+    _place puts it from the first, itself at or after `data` (the header's end), the data
+    ending at the file's end, and no other field."""
     try:
         entries = header["entries"]
         for entry in entries:
             n, k = entry["shape"]
             if not (isinstance(n, int) and isinstance(k, int) and n > 0 and k > 0):
                 return False
-            tiles = entry["parts"] is not None
-            if (entry["planes"] in (1, 2, 3)) != tiles:
-                return False
-            if entry["blocks"] is not None and (not tiles or k % 32):
+            if set(entry) != {*_FIELDS, "shape"}:
                 return False
         placed = [dict(entry) for entry in entries]
         start = entries[0]["panels"]

@@ -1,5 +1,5 @@
 /* The greedy rows' argmax over a product's columns, folded in tile by tile as the tiles come
- * (linear.c's FMA tiles, amx.h's tile unit): each thread keeps its rows' best so far, and
+ * (linear.c's FMA tiles): each thread keeps its rows' best so far, and
  * cpu_linear_argmax merges the threads'. The first maximum on ties, NaN above everything, as
  * torch.argmax. */
 #ifndef BATCHLLM_CPU_ARGMAX_H

@@ -46,7 +46,7 @@ _LINK = ("-shared",)
 
 
 def _march() -> str:
-    """-march=native, or x86-64-v3 (AVX2 and FMA, no AVX-512, no AMX) with
+    """-march=native, or x86-64-v3 (AVX2 and FMA, no AVX-512) with
     BATCHLLM_CPU_ISA=avx2: the AVX2 build run and tested on a machine that has more."""
     return "-march=x86-64-v3" if os.environ.get("BATCHLLM_CPU_ISA") == "avx2" else "-march=native"
 
@@ -67,7 +67,7 @@ def _cpu_id() -> str:
 
 def isa() -> str:
     """The widest vector unit the kernels are built for here (-march=native): avx512, avx2, or
-    the machine's name where it has neither (AMX, where present, is not a path of its own)."""
+    the machine's name where it has neither."""
     flags = set()
     for line in _cpu_id().splitlines():
         if line.startswith("flags"):

@@ -21,7 +21,6 @@
 #include <string.h>
 
 typedef void (*LinearFn)(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                         const uint16_t *parts, int64_t w_parts, const uint8_t *blocks,
                          const float *bias, int64_t N, float *y);
 typedef void (*AddRmsNormFn)(float *h, const float *delta, const float *w, float eps, int64_t T,
                              int64_t H, float *out);
@@ -63,9 +62,6 @@ typedef struct {
 
 typedef struct { /* a projection, as cpu_linear takes it */
     const float *panels;
-    const uint16_t *parts;
-    int64_t w_parts;
-    const uint8_t *blocks;
     const float *bias;
     int64_t n;
 } Projection;
@@ -102,7 +98,7 @@ typedef struct { /* one step: its tokens, its attention's tables, its buffers */
 
 static void project(const Kernels *k, const Projection *p, const float *x, int64_t rows,
                     int64_t K, float *y) {
-    if (rows) k->linear(x, rows, K, K, p->panels, p->parts, p->w_parts, p->blocks, p->bias, p->n, y);
+    if (rows) k->linear(x, rows, K, K, p->panels, p->bias, p->n, y);
 }
 
 /* o [T, Hq, D] (zeros) and lse [T, Hq] (-inf), then each part of the step's attention into them */

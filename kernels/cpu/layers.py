@@ -23,8 +23,7 @@ class Kernels(ctypes.Structure):
 
 
 class Projection(ctypes.Structure):
-    _fields_ = [("panels", _p), ("parts", _p), ("w_parts", _i64), ("blocks", _p),
-                ("bias", _p), ("n", _i64)]
+    _fields_ = [("panels", _p), ("bias", _p), ("n", _i64)]
 
 
 class Layer(ctypes.Structure):

@@ -18,11 +18,6 @@
  * Every y[r, j] is the same chain of FMAs over k whatever the tile height, so the argmax entry
  * sees exactly the values the product writes: its argmax is that of the written logits, the
  * first maximum on ties (NaN above everything, as torch.argmax).
- *
- * Given W's parts (cpu_linear_split), every product runs on the AMX tile unit instead where the
- * CPU has one (amx.h: as exact as these chains, summed in another order; as batch-invariant);
- * given its 4-bit blocks too (cpu_linear_q4_pack), products of few rows take those (amx_q4.h:
- * the same sums as from the parts, from a sixth of the bytes).
  */
 #include <math.h>
 #include <stdint.h>
@@ -160,109 +155,9 @@ static void panel_rows(const float *x, int64_t lda, int64_t K, const float *pane
     }
 }
 
-/* Below here the tiles of amx.h need PARALLEL_MACS and the folds above */
-#include "amx.h"
-#include "amx_argmax.h"
-#include "amx_q4.h"
-
-/* 1 where the products run on the tile unit (the CPU has AMX-BF16, the kernel grants its
- * tiles, and cpu_linear_use_amx has not switched it off), else 0 */
-int cpu_linear_amx(void) {
-#ifdef HAVE_AMX
-    return amx_wanted && amx_granted();
-#else
-    return 0;
-#endif
-}
-
-void cpu_linear_use_amx(int on) {
-#ifdef HAVE_AMX
-    amx_wanted = on;
-#else
-    (void)on;
-#endif
-}
-
-/* W's parts for the tile unit: panels [count, K, 16] -> parts [count, planes, Kp / 2, 32] bf16
- * (Kp = K rounded up to 32; bf16_split.h's split_panel): h and, with planes >= 2, m, with 3, l.
- * Returns which parts are nonzero somewhere (1: m, 2: l; a weight whose l is nonzero does not
- * fit two planes: split again with three; one whose m and l are zero fits one); -1 where the
- * build has no tile unit. */
-int cpu_linear_split(const float *panels, int64_t count, int64_t K, uint16_t *parts,
-                     int64_t planes) {
-    int nonzero = 0;
-#ifdef HAVE_AMX
-    const int64_t Kp = (K + AMX_K - 1) / AMX_K * AMX_K;
-#pragma omp parallel for schedule(static) reduction(| : nonzero)
-    for (int64_t p = 0; p < count; p++)
-        nonzero |= split_panel(panels + p * K * NR, K, Kp, parts + p * planes * Kp * NR,
-                               (int)planes);
-#else
-    (void)panels, (void)count, (void)K, (void)parts, (void)planes;
-    nonzero = -1; /* no tile unit in this build: nothing was split */
-#endif
-    return nonzero;
-}
-
-/* W's 4-bit blocks (q4_blocks.h): panels [count, K, 16] -> blocks [count, K / 32, Q4_BYTES].
- * Returns 1 where every value of W was found again in them, as two parts (cpu_linear may then
- * take them); 0 where K is not a multiple of 32, some value is not of that form, or every m
- * part is zero (bfloat16 values: the parts then skip the m products, which the blocks add);
- * -1 where the build has no tile unit. */
-int cpu_linear_q4_pack(const float *panels, int64_t count, int64_t K, uint8_t *blocks) {
-#ifdef HAVE_AMX
-    if (K % Q4_K) return 0;
-    const int64_t nb = K / Q4_K;
-    int failed = 0, mid = 0;
-#pragma omp parallel for schedule(static) reduction(| : mid)
-    for (int64_t i = 0; i < count * nb; i++) {
-        int stop;
-#pragma omp atomic read
-        stop = failed;
-        if (stop) continue; /* a weight of other values: the rest is not looked at */
-        const int64_t p = i / nb, b = i % nb;
-        const int found = q4_pack_block(panels + (p * K + b * Q4_K) * NR, blocks + i * Q4_BYTES);
-        if (!found) {
-#pragma omp atomic write
-            failed = 1;
-        }
-        mid |= found == 2;
-    }
-    return !failed && mid;
-#else
-    (void)panels, (void)count, (void)K, (void)blocks;
-    return -1;
-#endif
-}
-
-/* bounds [2][16 count] of panels [count, K, 16] for cpu_linear_argmax's pruned pass
- * (amx_argmax.h: each column's ||w - bf16(w)|| and ||w||). Returns 0 where the build has no tile
- * unit (nothing written). */
-int cpu_linear_bounds(const float *panels, int64_t count, int64_t K, float *bounds) {
-#ifdef HAVE_AMX
-    amx_bounds(panels, count, K, bounds);
-    return 1;
-#else
-    (void)panels, (void)count, (void)K, (void)bounds;
-    return 0;
-#endif
-}
-
-/* The product over every panel, in parallel over panels (per-thread bests in bests[thread]);
- * on the tile unit where W's parts or its 4-bit blocks are given */
+/* The product over every panel, in parallel over panels (per-thread bests in bests[thread]) */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                    const uint16_t *parts, int64_t w_parts, const uint8_t *blocks,
                     const float *bias, int64_t N, float *y, Best *bests) {
-#ifdef HAVE_AMX
-    if (blocks && parts && w_parts == 2 && M <= Q4_ROWS && !bests && cpu_linear_amx() &&
-        amx_product_q4(x, M, lda, K, blocks, bias, N, y))
-        return;
-    if (parts && cpu_linear_amx() &&
-        amx_product(x, M, lda, K, parts, (int)w_parts, bias, N, y, bests))
-        return;
-#else
-    (void)parts, (void)w_parts, (void)blocks;
-#endif
     const int64_t count = (N + NR - 1) / NR;
     int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
@@ -282,24 +177,17 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
     }
 }
 
-/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), their parts from
- * cpu_linear_split or NULL (w_parts of them: 3, 2 with l dropped, 1 with m too), their 4-bit
- * blocks from cpu_linear_q4_pack or NULL (taken instead of the two parts up to Q4_ROWS rows:
- * the same sums, bit for bit; only beside them, so that larger products take the same sums),
- * bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+/* x [M, K] (row stride lda), panels [ceil(N / 16), K, 16] (32-byte aligned), bias
+ * [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
 void cpu_linear(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                const uint16_t *parts, int64_t w_parts, const uint8_t *blocks, const float *bias,
-                int64_t N, float *y) {
-    product(x, M, lda, K, panels, parts, w_parts, blocks, bias, N, y, 0);
+                const float *bias, int64_t N, float *y) {
+    product(x, M, lda, K, panels, bias, N, y, 0);
 }
 
 /* ids [M] = argmax over j of (x W^T + b)[r, j], y never written: the first maximum, NaN
- * highest. Same arguments as cpu_linear otherwise; with bounds from cpu_linear_bounds (or
- * NULL), parts and no bias, on the tile unit from W's high parts first (amx_argmax.h: the same
- * index, a fraction of the stream). */
+ * highest. Same arguments as cpu_linear otherwise. */
 void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
-                       const uint16_t *parts, int64_t w_parts, const float *bias,
-                       const float *bounds, int64_t N, int64_t *ids) {
+                       const float *bias, int64_t N, int64_t *ids) {
     int threads = 1;
 #ifdef _OPENMP
     threads = omp_get_max_threads();
@@ -309,15 +197,7 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     Best *bests = malloc(sizeof(Best) * threads);
     for (int t = 0; t < threads; t++) bests[t] = (Best){val + t * M, at + t * M};
     for (int64_t i = 0; i < threads * M; i++) at[i] = -1;
-    int pruned = 0;
-#ifdef HAVE_AMX
-    amx_argmax_exact = -1;
-    pruned = parts && bounds && !bias && cpu_linear_amx() &&
-             amx_argmax(x, M, lda, K, parts, (int)w_parts, bounds, N, threads, bests);
-#else
-    (void)bounds;
-#endif
-    if (!pruned) product(x, M, lda, K, panels, parts, w_parts, 0, bias, N, 0, bests);
+    product(x, M, lda, K, panels, bias, N, 0, bests);
     for (int64_t r = 0; r < M; r++) {
         float v = val[r];
         int64_t id = at[r];
@@ -331,14 +211,4 @@ void cpu_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K, const 
     free(val);
     free(at);
     free(bests);
-}
-
-/* How many (row tile, panel) pairs the last cpu_linear_argmax computed exactly after its first
- * pass; -1 where it ran the whole product (no bounds, a bias, a value not finite): for tests */
-int64_t cpu_linear_argmax_exact_panels(void) {
-#ifdef HAVE_AMX
-    return amx_argmax_exact;
-#else
-    return -1;
-#endif
 }

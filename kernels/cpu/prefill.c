@@ -10,7 +10,7 @@
  * with AVX-512 (6 x 16 with AVX2), online softmax with the 8-wide exp, values by a tile of 6
  * rows x 64 of d (6 x 16). The wider tiles (12 and 24 accumulators where the 16-wide AVX-512
  * ones would hold only 6) took the contract job's prefix attention from 104 to ~120 GFLOP/s.
- * (The tile unit, with q, k, p and v split per block as the projections' weights are, measured
+ * (The bfloat16 tile unit, with q, k, p and v split per block into bfloat16 parts, measured
  * slower: 1.5 -> 2.0 s on the contract job.) Key blocks past the last query's position are
  * skipped (causal). Writes o[row] and lse[row] (natural-log sum-exp of the scaled scores; o = 0
  * and lse = -inf for a query that sees no key). A sliding window skips the key blocks before a
