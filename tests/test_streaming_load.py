@@ -42,7 +42,9 @@ def test_a_load_holds_one_tensor_beyond_the_model(saved: str, tmp_path: Path, mo
     assert m["checkpoint_mb"] > 100
     grown, peak = m["after_mb"] - m["baseline_mb"], m["peak_mb"] - m["baseline_mb"]
     assert grown <= m["held_mb"] + SLACK_MB, m
-    assert peak <= m["held_mb"] + m["largest_mb"] + SLACK_MB, m
+    # a bfloat16 tensor is cast to float32, then cut into panels: both copies live for a moment
+    copies = 1 if saved == "float32" else 2
+    assert peak <= m["held_mb"] + copies * m["largest_mb"] + SLACK_MB, m
 
 
 def test_a_warm_start_reads_no_projection(tmp_path: Path) -> None:
