@@ -8,7 +8,7 @@ import torch
 from hf_reference import tiny_model_folder
 
 from batchllm import LLM, SamplingParams
-from batchllm.engine.sampler import filtered_probs, row_key, uniform
+from batchllm.engine.sampler import filtered_probs, row_key, sample, uniform
 from batchllm.rows.record import Row
 
 
@@ -75,6 +75,31 @@ def test_draws_follow_the_filtered_distribution() -> None:
     assert 0 <= u.min() and u.max() < 1
     assert abs(u.mean() - 0.5) < 0.01
     assert row_key(0, "x") != row_key(1, "x") != row_key(0, "y")
+
+
+@pytest.mark.parametrize("top_k, top_p", [(0, 1.0), (3, 1.0), (0, 0.75)])
+def test_sampled_tokens_follow_the_distribution(top_k: int, top_p: float) -> None:
+    """20,000 draws of one row (its counter 0..19,999) at temperature 0.7: each token's frequency
+    is its probability after temperature, top-k and top-p, within five standard errors. The
+    unfiltered case draws in token-id order without a sort, the others from the sorted,
+    filtered distribution."""
+    logits = torch.tensor([0.3, 2.0, -1.0, 1.0, 0.5, 1.9])
+    n, t = 20000, 0.7
+    draws = sample(logits.expand(n, -1).contiguous(), [t] * n, [top_k] * n, [top_p] * n,
+                   [row_key(3, "r")] * n, list(range(n)))
+    p = torch.softmax(logits.double() / t, -1)
+    order = p.argsort(descending=True)
+    kept = torch.zeros_like(p, dtype=torch.bool)
+    mass = 0.0
+    for rank, tok in enumerate(order.tolist()):
+        if (top_k and rank >= top_k) or (rank > 0 and mass >= top_p):
+            break
+        kept[tok] = True
+        mass += float(p[tok])
+    want = torch.where(kept, p, 0.0) / p[kept].sum()
+    got = torch.bincount(torch.tensor(draws), minlength=len(logits)).double() / n
+    se = (want * (1 - want) / n).sqrt()
+    assert torch.all((got - want).abs() <= 5 * se + 1e-12), (got, want)
 
 
 def test_stop_string_across_tokens_is_cut(llm: LLM) -> None:

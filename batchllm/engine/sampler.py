@@ -69,27 +69,36 @@ def sample(
     keys: list[int],
     counters: list[int],
 ) -> list[int]:
-    """One token per row: argmax where temperature is 0, else an inverse-CDF draw."""
+    """One token per row: argmax where temperature is 0, else an inverse-CDF draw: over the
+    distribution in token-id order when the row sets neither top-k nor top-p (no sort of the
+    vocabulary: at 64 rows x 49,152 tokens the sort took ~0.16 s a step on 2 cores, two thirds
+    of a sampled job's time), else over the filtered distribution sorted by probability."""
     out = logits.argmax(dim=-1).tolist()
+    vocab = logits.shape[1]
     rand = [i for i, t in enumerate(temperature) if t > 0]
-    if not rand:
-        return out
-    idx = torch.tensor(rand, device=logits.device)
+    plain = [i for i in rand if (top_k[i] <= 0 or top_k[i] >= vocab) and top_p[i] >= 1]
+    unfiltered = set(plain)
+    filtered = [i for i in rand if i not in unfiltered]
     dev = logits.device
-    probs, ids = filtered_probs(
-        logits[idx],
-        torch.tensor([temperature[i] for i in rand], device=dev),
-        torch.tensor([top_k[i] for i in rand], device=dev),
-        torch.tensor([top_p[i] for i in rand], device=dev),
-    )
-    cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
-    u = torch.tensor([uniform(keys[i], counters[i]) for i in rand], dtype=torch.float64,
-                     device=dev)
-    pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
-        max=probs.shape[1] - 1)  # [R, 1]
-    chosen = ids.gather(1, pick)[:, 0].tolist()
-    for i, tok in zip(rand, chosen):
-        out[i] = tok
+    for group, sort in ((plain, False), (filtered, True)):
+        if not group:
+            continue
+        idx = torch.tensor(group, device=dev)
+        t = torch.tensor([temperature[i] for i in group], device=dev)
+        if sort:
+            probs, ids = filtered_probs(logits[idx], t,
+                                        torch.tensor([top_k[i] for i in group], device=dev),
+                                        torch.tensor([top_p[i] for i in group], device=dev))
+        else:
+            probs, ids = torch.softmax(logits[idx] / t[:, None], dim=-1), None  # [R, V]
+        cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
+        u = torch.tensor([uniform(keys[i], counters[i]) for i in group], dtype=torch.float64,
+                         device=dev)
+        pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
+            max=vocab - 1)  # [R, 1]
+        chosen = (pick if ids is None else ids.gather(1, pick))[:, 0].tolist()
+        for i, tok in zip(group, chosen):
+            out[i] = tok
     return out
 
 
