@@ -1,11 +1,14 @@
 """engine.tensor_parallel: 2 over gloo (two processes on this machine): the same greedy tokens
 as transformers (and so as tensor_parallel: 1, which test_engine_equivalence checks against the
 same reference) on tiny random models, with sharing on and off, chunked prefill and
-preemption. One process group at a time: each case builds its own engine."""
+preemption; the mixture-of-experts families with each expert split over the ranks, against
+tensor_parallel: 1 and transformers. One process group at a time: each case builds its own
+engine."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 from hf_reference import assert_tokens_match, tiny_model_folder
 from test_engine_equivalence import MAX_TOKENS, nested_prompts, reference
 
@@ -43,6 +46,63 @@ def test_tp2_chunked_prefill_and_preemption(kind: str) -> None:
     metrics = run_tp2(kind, kv_cache_memory=pages * 16 * per_token, max_batched_tokens=13)
     assert metrics["kv_pages_total"] == pages
     assert metrics["preemptions"] > 0
+
+
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+def test_tp2_moe_greedy_matches_tp1_and_transformers(kind: str) -> None:
+    """Each expert's gate/up and down split over the ranks (qwen2_moe: its shared expert too,
+    and a dense layer); the same routing on both ranks, one all-reduce per MoE layer."""
+    tokens, width = {}, 0
+    for n in (1, 2):
+        llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu",
+                  tensor_parallel=n, kv_cache_memory=64 << 20, max_batched_tokens=29)
+        moe = llm.runtime.loaded.model.layers[0].mlp
+        if n == 1:
+            width = moe.experts.gate_up[0].out_features
+        else:  # every expert on every rank, half of each
+            assert moe.inner.experts.num_experts == 4
+            assert moe.inner.experts.gate_up[0].out_features == width // 2
+        outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+        tokens[n] = [out.token_ids for out in outs]
+    for i, (tp1, tp2, (ref, gaps)) in enumerate(zip(tokens[1], tokens[2], reference(kind))):
+        near_tie = assert_tokens_match(tp1, ref, gaps, row=i)
+        near_tie |= assert_tokens_match(tp2, ref, gaps, row=i)
+        assert near_tie or tp2 == tp1, f"row {i}: tensor_parallel 2 {tp2} != 1 {tp1}"
+
+
+def test_tp2_splits_transformers_fused_experts(tmp_path) -> None:
+    """A checkpoint in transformers' fused layout (experts.gate_up_proj [E, 2I, H], gate rows
+    then up rows; experts.down_proj [E, H, I]): each rank reads its rows of both halves."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    source = tiny_model_folder("mixtral")
+    state = load_file(source / "model.safetensors")
+    layers = {int(name.split(".")[2]) for name in state if name.startswith("model.layers.")}
+    for i in layers:
+        p = f"model.layers.{i}.block_sparse_moe.experts."
+        w = {n: [state.pop(f"{p}{e}.{n}.weight") for e in range(4)] for n in ("w1", "w3", "w2")}
+        state[p + "gate_up_proj"] = torch.stack([torch.cat(gu) for gu in zip(w["w1"], w["w3"])])
+        state[p + "down_proj"] = torch.stack(w["w2"])
+    shutil.copytree(source, tmp_path / "fused", ignore=shutil.ignore_patterns("*.safetensors"))
+    save_file(state, tmp_path / "fused" / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(tmp_path / "fused"), dtype="float32", device="cpu", tensor_parallel=2,
+              kv_cache_memory=64 << 20)
+    outs = llm.generate(nested_prompts(), SamplingParams(max_tokens=MAX_TOKENS))
+    for i, (out, (tokens, gaps)) in enumerate(zip(outs, reference("mixtral"))):
+        assert_tokens_match(out.token_ids, tokens, gaps, row=i)
+
+
+def test_tp_refuses_experts_that_do_not_divide() -> None:
+    from hf_reference import _config
+
+    from batchllm.model.errors import ModelError
+    from batchllm.model.tensor_parallel import shard_config
+
+    with pytest.raises(ModelError, match="experts' intermediate size 32 and the shared "
+                                         "expert's 48 must divide by 3"):
+        shard_config(_config("qwen2_moe"), 3)
 
 
 def test_tp2_a_rank_dying_fails_with_one_line() -> None:
