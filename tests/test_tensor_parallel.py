@@ -129,3 +129,56 @@ def test_batchllm_run_with_tensor_parallel_2_writes_the_tp1_file(tmp_path) -> No
         tables[n] = pq.read_table(tmp_path / f"tp{n}" / "out.parquet").select(
             ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"])
     assert tables[2].equals(tables[1])
+
+
+# The CLI whose rank 1 is killed (SIGKILL) once rank 0 has written N checkpoint parts: the rank
+# dies mid-job, between two steps, and the run carries on until its next collective.
+_RANK_DIES_AFTER_PARTS = """
+import sys
+from batchllm.engine import tensor_parallel
+from batchllm.rows.writer import CheckpointWriter
+after, write, written = int(sys.argv.pop(1)), CheckpointWriter._write_part, []
+def write_then_kill_rank_1(self, rows):
+    write(self, rows)
+    written.append(len(rows))
+    if len(written) == after:
+        rank_1 = tensor_parallel._current.procs[0]
+        rank_1.kill()
+        rank_1.join()
+CheckpointWriter._write_part = write_then_kill_rank_1
+from batchllm.cli import app
+app()
+"""
+
+
+def test_tp2_rank_dying_mid_job_fails_in_one_line_keeps_parts_and_resumes(tmp_path) -> None:
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    import pyarrow.parquet as pq
+    from job_files import run_cli, tiny_job
+
+    prompts = [f"Clause {i % 5} of lease {i}: who pays the rent in month {i % 12}?"
+               for i in range(30)]
+    engine = {"kv_cache_memory": "64MiB", "max_num_seqs": 4}
+    jobs = {name: tiny_job(tmp_path, name, "tp-dies", prompts, {"max_tokens": MAX_TOKENS},
+                           {**engine, "tensor_parallel": n}) for name, n in (("tp1", 1),
+                                                                              ("tp2", 2))}
+    done = run_cli("run", str(jobs["tp1"]), "--quiet")
+    assert done.returncode == 0, done.stderr
+    out = tmp_path / "tp2" / "out.parquet"
+    cut = subprocess.run([sys.executable, "-c", _RANK_DIES_AFTER_PARTS, "2", "run",
+                          str(jobs["tp2"]), "--quiet"], check=False, capture_output=True,
+                         text=True, timeout=600, env=dict(os.environ, BATCHLLM_CHECKPOINT_ROWS="6"))
+    lines = [line for line in cut.stderr.splitlines() if line.strip()]
+    assert cut.returncode != 0 and not out.exists()
+    assert len(lines) == 1 and "rank 1 exited with code -9" in lines[0], cut.stderr
+    kept = sorted(Path(str(out) + ".parts").glob("part-*.parquet"))
+    assert len(kept) >= 2 and sum(pq.read_metadata(p).num_rows for p in kept) < len(prompts)
+    resumed = run_cli("run", str(jobs["tp2"]), "--quiet", "--set", "output.mode=resume")
+    assert resumed.returncode == 0, resumed.stderr
+    columns = ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"]
+    assert (pq.read_table(out).select(columns)
+            .equals(pq.read_table(tmp_path / "tp1" / "out.parquet").select(columns)))
