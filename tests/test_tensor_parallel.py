@@ -182,3 +182,50 @@ def test_tp2_rank_dying_mid_job_fails_in_one_line_keeps_parts_and_resumes(tmp_pa
     columns = ["id", "completion", "finish_reason", "prompt_tokens", "completion_tokens"]
     assert (pq.read_table(out).select(columns)
             .equals(pq.read_table(tmp_path / "tp1" / "out.parquet").select(columns)))
+
+
+# Rank 0's process SIGKILLs itself once its rank 1 is spawned: "joined", after the group has
+# formed (rank 1 waits in a collective); "joining", before rank 0 joins it (rank 1 waits for
+# the rendezvous, up to its 600 s timeout, where nothing but its watch on rank 0 ends it).
+_RANK_0_KILLED = """
+import multiprocessing, os, signal, sys
+from batchllm import LLM
+from batchllm.engine import tensor_parallel
+def die(*args):
+    print(*[p.pid for p in multiprocessing.active_children()], flush=True)
+    os.kill(os.getpid(), signal.SIGKILL)
+if sys.argv[2] == "joining":
+    tensor_parallel._init = die
+LLM(sys.argv[1], dtype="float32", device="cpu", kv_cache_memory=16 << 20, tensor_parallel=2)
+die()
+"""
+
+
+def _running(pid: int) -> bool:
+    """Whether pid is a live process (a zombie, exited but not yet reaped, is not)."""
+    from pathlib import Path
+
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except FileNotFoundError:
+        return False
+    return "\nState:\tZ" not in status
+
+
+@pytest.mark.parametrize("when", ["joined", "joining"])
+def test_a_rank_exits_when_rank_0_is_killed(when: str) -> None:
+    """Rank 0's process SIGKILLed (as Ray kills a worker's actor): rank 1 does not wait on
+    (holding its device, on a GPU) until a collective's timeout; it exits."""
+    import subprocess
+    import sys
+    import time
+
+    proc = subprocess.run([sys.executable, "-c", _RANK_0_KILLED,
+                           str(tiny_model_folder("llama3")), when], check=False,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == -9, proc.stderr
+    (rank_1,) = map(int, proc.stdout.split())
+    deadline = time.monotonic() + 60  # a bound on the wait, not a timing: it exits in ~0.5 s
+    while _running(rank_1) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not _running(rank_1), f"rank 1 (pid {rank_1}) still runs after rank 0 died"
