@@ -103,9 +103,6 @@ ERRORS = [
      f"engine.kv_cache_memory: {FRACTION_OR_SIZE}, got '4 gigs'"),
     (_with("input", chat_template=False, system_prompt="Be brief."),
      "input.system_prompt: needs chat_template: true"),
-    (_with("engine", workers=2, tensor_parallel=2),
-     ("engine.workers: more than one worker with engine.tensor_parallel > 1 is not supported "
-      "yet (a worker as a group of devices); use one worker per node, or tensor_parallel: 1")),
     ({**MINIMAL, "enigne": {}}, "enigne: unknown key; did you mean engine?"),
     ({**MINIMAL, "engine": [1]}, "engine: expected a mapping, got [1]"),
     ({**MINIMAL, "version": 2}, "version: this batchllm reads job files of version 1, got 2"),

@@ -146,10 +146,6 @@ class EngineConfig(_Section):
         errors = []
         if self.overlap is True:  # TODO(issue 28): the overlapped step loop
             errors.append("engine.overlap: true is not supported yet; use auto or false")
-        if self.workers > 1 and self.tensor_parallel > 1:  # TODO(issue 29 e): placement groups
-            errors.append("engine.workers: more than one worker with engine.tensor_parallel > 1 "
-                          "is not supported yet (a worker as a group of devices); use one "
-                          "worker per node, or tensor_parallel: 1")
         return errors
 
 

@@ -13,6 +13,13 @@ to their tokens in expert order, as transformers' loop over experts adds them. O
 with the Triton backend) the runs go through one grouped launch per weight
 (kernels/triton/grouped_matmul.py, twin kernels/reference/grouped_matmul.py); on the CPU each
 expert's run goes through its own projection (linear.py: the C kernel's panels).
+
+No host sync on the grouped path (the one CUDA runs and a graph captures): the sort, the
+offsets (searchsorted over the sorted ids, not a bincount), the gathers and the index_add have
+sizes fixed by T, k and E, and the grouped kernel numbers its tiles from the offsets on the
+device; tests/test_sync_free.py guards it. The same grouping as before, so the same sums in the
+same order: the tokens are unchanged. Only the CPU's per-expert loop reads the run bounds to the
+host (C kernels need each run's rows; on the CPU there is no device to wait for).
 """
 
 from __future__ import annotations
@@ -45,12 +52,15 @@ def route(logits: torch.Tensor, top_k: int, normalize: bool) -> Routing:
 
 def group_by_expert(experts: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
     """experts [T, k] -> (order [T*k] int64: the flat (token, choice) pairs sorted by expert,
-    ties in token order; offsets [E+1] int32: expert e's pairs are order[offsets[e]:offsets[e+1]])."""
-    flat = experts.reshape(-1)
-    order = torch.sort(flat, stable=True).indices
-    counts = torch.bincount(flat, minlength=num_experts)
-    offsets = torch.zeros(num_experts + 1, dtype=torch.int32, device=flat.device)
-    offsets[1:] = torch.cumsum(counts, 0)
+    ties in token order; offsets [E+1] int32: expert e's pairs are order[offsets[e]:offsets[e+1]]).
+
+    Without a host sync, in sizes fixed by T, k and E (so a CUDA graph can hold it): the offsets
+    are where each expert id would be inserted in the sorted ids (searchsorted on the device),
+    not a bincount, which reads its size back to the host on CUDA."""
+    flat = experts.reshape(-1)  # [T*k]
+    ids, order = torch.sort(flat, stable=True)  # [T*k] each
+    bounds = torch.arange(num_experts + 1, dtype=ids.dtype, device=ids.device)  # [E+1]
+    offsets = torch.searchsorted(ids, bounds, out_int32=True)  # [E+1]: pairs with id < e
     return order, offsets
 
 
@@ -81,7 +91,7 @@ class GroupedExperts:
                                      self.w_down, offsets)
         else:
             ys = torch.empty_like(xs)
-            bounds = offsets.tolist()
+            bounds = offsets.tolist()  # the CPU path only (see the module docstring)
             for e in range(self.num_experts):
                 lo, hi = bounds[e], bounds[e + 1]
                 if hi > lo:

@@ -6,6 +6,15 @@ of their own), and its session files (sockets, logs, spilled objects) live in a 
 folder (0700) that goes away with the instance. engine.ray_address joins the cluster it names,
 as that cluster is set up. Only this module, `driver`, `worker` and `shuffle` import ray, and
 only when a job has engine.workers > 1.
+
+With engine.tensor_parallel: N a worker is a group of N devices of one node: a placement group
+of one bundle ({GPU: N}, or N half CPUs on a CPU-only cluster) reserved for the worker, its
+actor placed in it with the whole bundle, so that the N devices are the actor's visible ones;
+the actor spawns its ranks 1..N-1 as on one machine (engine/tensor_parallel.py: NCCL or gloo
+over the node's loopback). Not a bundle per rank: Ray shows an actor only its own bundle's
+devices, and the ranks are the actor's processes, not Ray's. The group is kept across the
+worker's restarts (the replacement starts on the same devices at once) and removed when the
+worker finishes or the job ends. A job whose group fits no node fails before any worker starts.
 """
 
 from __future__ import annotations
@@ -109,10 +118,51 @@ def _signal_handlers() -> dict:
 
 
 def use_gpus(cfg: JobConfig) -> bool:
-    """One GPU per worker when the cluster has GPUs and the job does not ask for the CPU."""
+    """GPUs for the workers (engine.tensor_parallel each) when the cluster has GPUs and the job
+    does not ask for the CPU."""
     import ray
 
     return cfg.model.device != "cpu" and ray.cluster_resources().get("GPU", 0) >= 1
+
+
+def worker_bundle(cfg: JobConfig, gpus: bool) -> dict[str, float]:
+    """The Ray resources of one worker: engine.tensor_parallel GPUs, or half a CPU per rank."""
+    n = cfg.engine.tensor_parallel
+    return {"GPU": n} if gpus else {"CPU": CPU_WORKER_CPUS * n}
+
+
+def check_groups_fit(cfg: JobConfig, gpus: bool) -> None:
+    """With engine.tensor_parallel > 1, a worker's devices must all be on one node: a
+    RuntimeError naming what the largest node has where none can hold a group."""
+    import ray
+
+    if cfg.engine.tensor_parallel == 1:
+        return
+    ((kind, need),) = worker_bundle(cfg, gpus).items()
+    most = max((node["Resources"].get(kind, 0) for node in ray.nodes() if node["Alive"]),
+               default=0)
+    if most < need:
+        what = "GPUs" if kind == "GPU" else "CPUs (half a CPU per rank)"
+        raise RuntimeError(f"engine.tensor_parallel: {cfg.engine.tensor_parallel}: a worker "
+                           f"needs {need:g} {what} on one node; the cluster's largest node has "
+                           f"{most:g}")
+
+
+def reserve_group(cfg: JobConfig, gpus: bool):
+    """Worker's placement group (one bundle: worker_bundle) where engine.tensor_parallel > 1;
+    None otherwise (the actor asks for its one device itself)."""
+    if cfg.engine.tensor_parallel == 1:
+        return None
+    from ray.util.placement_group import placement_group
+
+    return placement_group([worker_bundle(cfg, gpus)], strategy="STRICT_PACK")
+
+
+def release_group(group) -> None:
+    from ray.util.placement_group import remove_placement_group
+
+    if group is not None:
+        remove_placement_group(group)
 
 
 def actor_name(cfg: JobConfig, worker: int, attempt: int = 0) -> str:
@@ -122,14 +172,21 @@ def actor_name(cfg: JobConfig, worker: int, attempt: int = 0) -> str:
 
 
 def start_worker(cfg: JobConfig, fingerprint: dict, flush_rows: int, worker: int, attempt: int,
-                 gpus: bool):
-    """A new ShardWorker actor (it loads the model when it starts). Ray does not restart it:
-    the driver does, with the rows not yet in parts."""
+                 gpus: bool, group=None):
+    """A new ShardWorker actor (it loads the model when it starts), in `group` (reserve_group)
+    with all of its bundle where there is one. Ray does not restart it: the driver does, with
+    the rows not yet in parts."""
     import ray
 
     from batchllm.scale.worker import ShardWorker
 
-    resources = {"num_gpus": 1} if gpus else {"num_cpus": CPU_WORKER_CPUS}
+    bundle = worker_bundle(cfg, gpus)
+    resources = {"num_gpus": bundle["GPU"]} if gpus else {"num_cpus": bundle["CPU"]}
+    if group is not None:
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        resources["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            group, placement_group_bundle_index=0)
     # max_concurrency 2: pid(), progress() and flush() answer while run_shard runs
     actor = ray.remote(ShardWorker).options(
         name=actor_name(cfg, worker, attempt), max_restarts=0, max_concurrency=2, **resources)

@@ -21,7 +21,7 @@ import numpy as np
 
 from batchllm.config import JobConfig
 from batchllm.rows.writer import CheckpointWriter
-from batchllm.scale.cluster import start_worker
+from batchllm.scale.cluster import check_groups_fit, release_group, reserve_group, start_worker
 from batchllm.scale.merge import WorkerRecord
 
 MAX_RESTARTS = 3  # per worker; then the job fails (its finished rows stay in parts: resume)
@@ -85,6 +85,8 @@ class WorkerPool:
         self.cfg, self.writer, self.work, self.records = cfg, writer, work, records
         self.done, self.gpus = done, gpus
         self.actors: dict[int, object] = {}  # worker -> its running actor
+        self.groups: dict[int, object] = {}  # worker -> its devices' placement group, kept
+        # across its restarts (engine.tensor_parallel > 1)
         self.running: dict[object, int] = {}  # ObjectRef of a run -> worker
         self._asked: dict[int, object] = {}  # worker -> its pending progress() call
         self._moved: dict[int, tuple[int, float]] = {}  # worker -> (progress, when it moved)
@@ -95,8 +97,10 @@ class WorkerPool:
             return
         if self.work.predict is not None:
             self.records[k].predicted_prefill_tokens = self.work.predict(k, self.done)
+        if k not in self.groups:
+            self.groups[k] = reserve_group(self.cfg, self.gpus)
         actor = start_worker(self.cfg, self.writer.fingerprint, self.writer.flush_rows, k,
-                             self.records[k].restarts, self.gpus)
+                             self.records[k].restarts, self.gpus, self.groups[k])
         self.actors[k] = actor
         self.running[self.work.call(actor, k, self.done)] = k
         self._moved[k] = (-1, time.monotonic())
@@ -105,6 +109,7 @@ class WorkerPool:
         """Until every worker has finished its shard; poll() between waits (progress bar)."""
         import ray
 
+        check_groups_fit(self.cfg, self.gpus)
         with _DeferredSignals().installed() as signals:
             for k in range(len(self.records)):
                 self.launch(k)
@@ -124,6 +129,7 @@ class WorkerPool:
             try:
                 self.records[k].result = ray.get(ref)
                 self._stop(k)  # its GPU goes to a worker still waiting for one
+                release_group(self.groups.pop(k, None))
             except crashes() as died:
                 if getattr(died, "actor_init_failed", False):  # a restart would not load
                     raise RuntimeError(f"worker {k} could not start: {died}") from died
@@ -189,6 +195,8 @@ class WorkerPool:
             ray.wait(calls, num_returns=len(calls), timeout=FLUSH_SECONDS)
 
     def close(self) -> None:
-        """Kill every worker still running."""
+        """Kill every worker still running; release their devices."""
         for k in list(self.actors):
             self._stop(k)
+        for k in list(self.groups):
+            release_group(self.groups.pop(k))
