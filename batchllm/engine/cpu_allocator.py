@@ -4,7 +4,7 @@ Every step allocates tensors of the same few sizes (gathered keys, activations) 
 glibc serves blocks above its mmap threshold with fresh mappings and hands freed memory at the
 top of the heap back to the OS, so the next step page-faults it all in again (24 rows of the
 contract workload without sharing: 2.0 M page faults before, 1.6 M after; with the MLP in
-blocks under the threshold, model/llama.py, 0.4 M). PyTorch's CPU guides preload jemalloc or
+row blocks under the threshold, model/decoder.py, 0.4 M). PyTorch's CPU guides preload jemalloc or
 tcmalloc for this; batchllm sets glibc's thresholds instead, which needs nothing installed, and
 one arena for all threads (the compute threads' own arenas give memory back on their own terms).
 """
