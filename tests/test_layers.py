@@ -47,22 +47,29 @@ def module_name(path: Path) -> str:
     return ".".join(parts)
 
 
-def imports_of(path: Path) -> set[str]:
-    """Every module `path` imports, anywhere in the file (absolute names)."""
+def import_statements(path: Path) -> list[tuple[str, list[str]]]:
+    """Every import in `path`, anywhere in the file, as (absolute module, names): `import a.b` is
+    ("a.b", []), `from .x import y, z` is ("pkg.x", ["y", "z"])."""
     name = module_name(path)
     package = name if path.name == "__init__.py" else name.rpartition(".")[0]
-    found = set()
+    found = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
         if isinstance(node, ast.Import):
-            found.update(a.name for a in node.names)
+            found.extend((a.name, []) for a in node.names)
         elif isinstance(node, ast.ImportFrom):
             base = node.module or ""
             if node.level:
                 up = package.split(".")[: len(package.split(".")) - node.level + 1]
                 base = ".".join(up + ([base] if base else []))
-            found.add(base)
-            found.update(f"{base}.{a.name}" for a in node.names)  # `from pkg import module`
+            found.append((base, [a.name for a in node.names]))
     return found
+
+
+def imports_of(path: Path) -> set[str]:
+    """Every module `path` imports: each statement's module, and for `from pkg import x` also
+    pkg.x (which may be a module)."""
+    return {target for base, names in import_statements(path)
+            for target in (base, *(f"{base}.{x}" for x in names))}
 
 
 def sources() -> list[Path]:
@@ -75,18 +82,10 @@ def import_graph() -> dict[str, set[str]]:
     ours = {module_name(p): p for p in sources()}
     graph = {}
     for name, path in ours.items():
-        package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         targets = set()
-        for node in ast.walk(ast.parse(path.read_text(), str(path))):
-            if isinstance(node, ast.Import):
-                targets.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    up = package.split(".")[: len(package.split(".")) - node.level + 1]
-                    base = ".".join(up + ([base] if base else []))
-                targets.update(f"{base}.{a.name}" if f"{base}.{a.name}" in ours else base
-                               for a in node.names)
+        for base, names in import_statements(path):
+            targets.update([f"{base}.{x}" if f"{base}.{x}" in ours else base for x in names]
+                           or [base])
         graph[name] = {t for t in targets if t in ours and t != name}
     return graph
 
@@ -158,18 +157,8 @@ def test_plan_and_rows_import_without_torch_or_transformers():
     assert out.stdout.strip() == "[]"
 
 
-# Circles still on this branch, fixed in other branches (step: engine/runner <-> device_runner;
-# tp and cpu: model/decoder <-> cpu_layers). The lead empties this list at merge; the test then
-# asks for no circle at all.
-KNOWN_CIRCLES: list[list[str]] = [
-    ["batchllm.engine.device_runner", "batchllm.engine.runner"],
-]
-
-
 def test_no_modules_import_each_other_in_a_circle():
-    found = circles(import_graph())
-    assert [c for c in found if c not in KNOWN_CIRCLES] == []
-    assert [c for c in KNOWN_CIRCLES if c not in found] == []  # fixed: take it off the list
+    assert circles(import_graph()) == []
 
 
 def test_the_circle_finder_finds_a_lazy_circle():

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -16,15 +17,32 @@ from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Sequence
-from batchllm.engine.runner import make_runner
+from batchllm.engine.runner import ModelRunner
 from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import FP8, PagedAttention
 from batchllm.model.attention import kv_cache_dtype as kv_cache_dtype_of
+from batchllm.model.decoder import DecoderModel
 from batchllm.model.loader import LoadedModel
 from batchllm.plan.planner import Plan
 from batchllm.rows.record import Row
+
+if TYPE_CHECKING:
+    from batchllm.engine.device_runner import DeviceRunner
+
+
+def make_runner(model: DecoderModel, attention: PagedAttention, page_size: int, cascade: bool,
+                max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
+                cuda_graphs: bool) -> ModelRunner | DeviceRunner:
+    """The runner of the model's path: ModelRunner, or the CUDA path's DeviceRunner
+    (ModelOps.device_steps; imported only then)."""
+    if not model.ops.device_steps:
+        return ModelRunner(model, attention, page_size, cascade)
+    from batchllm.engine.device_runner import DeviceRunner
+
+    return DeviceRunner(model, attention, page_size, cascade, max_num_seqs, max_batched_tokens,
+                        max_model_len, cuda_graphs)
 
 
 class Engine:

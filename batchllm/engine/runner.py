@@ -5,7 +5,8 @@ Two runners, one per path, both from the same host batch (step_batch.py):
   ModelRunner   the CPU path: tensors made from the batch's arrays each step, page tables from
                 the sequences' page lists
   DeviceRunner  the CUDA path (ModelOps.device_steps, also on the CPU under
-                BATCHLLM_BACKEND=triton): device_runner.py
+                BATCHLLM_BACKEND=triton): device_runner.py, which takes StepOutput from here
+The engine picks one (engine.py `make_runner`).
 """
 
 from __future__ import annotations
@@ -94,14 +95,3 @@ class ModelRunner:
                                         dtype=torch.int32, device=dev)
         meta.cu_prefix_q = torch.from_numpy(batch.cu_q[[0, *(g.hi for g in batch.groups)]]).to(dev)
 
-
-def make_runner(model: DecoderModel, attention: PagedAttention, page_size: int, cascade: bool,
-                max_num_seqs: int, max_batched_tokens: int, max_model_len: int,
-                cuda_graphs: bool) -> ModelRunner:
-    """The runner of the model's path (ModelOps.device_steps: the CUDA path's)."""
-    if not model.ops.device_steps:
-        return ModelRunner(model, attention, page_size, cascade)
-    from batchllm.engine.device_runner import DeviceRunner
-
-    return DeviceRunner(model, attention, page_size, cascade, max_num_seqs, max_batched_tokens,
-                        max_model_len, cuda_graphs)
