@@ -32,7 +32,11 @@ from batchllm.rows.record import ERROR
 from batchllm.rows.samples import SAMPLE_FIELDS, check_complete
 
 KEYS = ["row", "sample", "samples"]
-GROUP_BYTES = 32 << 20  # a group's lines in memory, as the parts hold them uncompressed
+# A group's lines as the parts hold them uncompressed. Finalize's peak is a few times one group
+# (read back, sorted, cast, encoded as a row group), so the group is small: with 32 MiB, a job of
+# 24,000 rows with logprobs 5 (1.3 KB a line) merged in one group and finalize's peak grew by
+# 142 MiB, against 66 MiB at 4,000 rows (scripts/measure_row_memory.py's job).
+GROUP_BYTES = 4 << 20
 MAX_GROUPS = 512  # spill files open at once
 # write_final(groups in order, the final schema with its metadata, the output file)
 FinalWriter = Callable[[Iterator[pa.Table], pa.Schema, IO[bytes]], None]
