@@ -130,7 +130,7 @@ def shard_checkpoint(state, config, rank: int, n: int) -> None:
         if f.qkv_bias:
             parts.update({a + "q_proj.bias": (0, rank, n), a + "k_proj.bias": kv_part,
                           a + "v_proj.bias": kv_part})
-        if f.qk_norm == "full":  # OLMoE's norms over all heads: the weights of the rank's
+        if f.qk_norm == "full":  # OLMoE's norms over all heads: the rank's heads' weights
             parts.update({a + "q_norm.weight": (0, rank, n), a + "k_norm.weight": kv_part})
         for prefix in (f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."):
             if prefix + "experts.gate_up_proj" in state:
