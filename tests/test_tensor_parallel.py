@@ -48,10 +48,11 @@ def test_tp2_chunked_prefill_and_preemption(kind: str) -> None:
     assert metrics["preemptions"] > 0
 
 
-@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe"])
+@pytest.mark.parametrize("kind", ["mixtral", "qwen2_moe", "qwen3_moe", "olmoe"])
 def test_tp2_moe_greedy_matches_tp1_and_transformers(kind: str) -> None:
     """Each expert's gate/up and down split over the ranks (qwen2_moe: its shared expert too,
-    and a dense layer); the same routing on both ranks, one all-reduce per MoE layer."""
+    and a dense layer); the same routing on both ranks, one all-reduce per MoE layer. olmoe:
+    its q/k norms over all heads, of each rank's slices, the mean squares summed over both."""
     tokens, width = {}, 0
     for n in (1, 2):
         llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu",

@@ -64,6 +64,9 @@ class Attention:
                 self.q_norm = _permute_heads(self.q_norm, hq, perm)
                 self.k_norm = _permute_heads(self.k_norm, hkv, perm)
         self.per_head = f.qk_norm == "head"
+        # tensor_parallel.py's, where q/k norms over all heads meet heads split over the ranks:
+        # the [T, 2] mean squares of the rank's q and k slices -> their means over the ranks
+        self.mean_over_ranks: Callable[[torch.Tensor], torch.Tensor] | None = None
         self.clip = f.clip_qkv
         self.cos, self.sin = rope  # [P, D] each
         self.scale, self.window, self.softcap = f.attn_scale, f.windows[layer], f.attn_softcap
@@ -89,7 +92,15 @@ class Attention:
         """RMSNorm of q and of k in place: per head (Qwen3, Gemma 3) or over all their heads
         (OLMoE)."""
         t, d, hq, hkv = qkv.shape[0], self.d, self.hq, self.hkv
-        for lo, hi, w in ((0, hq * d, self.q_norm), (hq * d, (hq + hkv) * d, self.k_norm)):
+        spans = ((0, hq * d, self.q_norm), (hq * d, (hq + hkv) * d, self.k_norm))
+        if self.mean_over_ranks is not None:  # as add_rms_norm, the mean from all ranks' slices
+            x = qkv[:, : (hq + hkv) * d].float()
+            means = self.mean_over_ranks(torch.stack(
+                [x[:, lo:hi].square().mean(1) for lo, hi, _ in spans], 1))  # [T, 2]
+            for (lo, hi, w), mean in zip(spans, means.unbind(1)):
+                qkv[:, lo:hi] = w * (x[:, lo:hi] * torch.rsqrt(mean + eps)[:, None]).to(qkv.dtype)
+            return
+        for lo, hi, w in spans:
             part = qkv[:, lo:hi]
             rows = part.reshape(-1, d) if self.per_head else part
             normed = ops.pointwise.add_rms_norm(rows.contiguous(), None, w, eps)

@@ -125,7 +125,7 @@ def _counts(config, tp: int) -> tuple[int, int, int]:
         proj += h * (q + 2 * kv) + q * h
         other += (4 if f.sandwich_norms else 2) * h
         other += (q + 2 * kv if f.qkv_bias else 0) + (h if f.o_bias else 0)
-        other += {"head": 2 * a, "full": hq * a + hkv * a}.get(f.qk_norm, 0)
+        other += {"head": 2 * a, "full": q + kv}.get(f.qk_norm, 0)  # "full": sliced
         e = f.experts
         if e is not None and e.sparse_layers[i]:
             proj += e.num_experts * 3 * h * e.intermediate_size // tp

@@ -4,6 +4,8 @@
   row-parallel      o and down (by their input columns): one all-reduce each, the bias on rank 0;
   KV heads          split with the query heads; replicated where there are fewer than ranks
                     (rank r takes KV head r * Hkv // N, the one its query heads read);
+  q/k norms         over all heads (OLMoE): each rank's mean squares of its q and k slices
+                    averaged over the ranks (one all-reduce of [T, 2]), the weights sliced;
   vocabulary        the embedding's and lm_head's rows split: a token's row comes from the rank
                     that holds it (the others add zeros, one all-reduce), the logits all-gathered
                     so that the sampler sees the whole vocabulary;
@@ -48,8 +50,6 @@ def _check(config, n: int) -> None:
                + f" must divide by {n}")
     elif f.fused_qkv or f.fused_gate_up:
         why = "fused qkv_proj / gate_up_proj checkpoints are not split yet"
-    elif f.qk_norm == "full":
-        why = "a q/k norm over all heads is not split yet"
     elif hq % n or config.intermediate_size % n or config.vocab_size % n:
         why = (f"{hq} heads, intermediate size {config.intermediate_size} and vocabulary "
                f"{config.vocab_size} must each divide by {n}")
@@ -130,6 +130,8 @@ def shard_checkpoint(state, config, rank: int, n: int) -> None:
         if f.qkv_bias:
             parts.update({a + "q_proj.bias": (0, rank, n), a + "k_proj.bias": kv_part,
                           a + "v_proj.bias": kv_part})
+        if f.qk_norm == "full":  # OLMoE's norms over all heads: the rank's heads' weights
+            parts.update({a + "q_norm.weight": (0, rank, n), a + "k_norm.weight": kv_part})
         for prefix in (f"model.layers.{i}.mlp.", f"model.layers.{i}.block_sparse_moe."):
             if prefix + "experts.gate_up_proj" in state:
                 _shard_fused_experts(state, prefix, rank, n)
@@ -180,11 +182,19 @@ class ShardedDecoder(DecoderModel):
         self.vocab_hi = self.vocab_lo + self.full_vocab // n
         for layer in self.layers:
             layer.attn.o = _Reduced(layer.attn.o)
+            if layer.attn.q_norm is not None and not layer.attn.per_head:
+                layer.attn.mean_over_ranks = self._mean_over_ranks
             if isinstance(layer.mlp, SparseMoe):
                 layer.mlp = _ReducedMoe(layer.mlp)
             else:
                 layer.mlp.down = _Reduced(layer.mlp.down)
         self.cpu_layers = None  # the all-reduces sit between each layer's halves
+
+    def _mean_over_ranks(self, means: torch.Tensor) -> torch.Tensor:
+        """The ranks' mean squares of equal widths averaged: the mean over all heads. A KV head
+        replicated on N/Hkv ranks counts N/Hkv times, as every other: k's mean is exact too."""
+        dist.all_reduce(means)
+        return means / self.ranks
 
     def embed_tokens(self, input_ids: torch.Tensor) -> torch.Tensor:  # [T] -> [T, H]
         mine = (input_ids >= self.vocab_lo) & (input_ids < self.vocab_hi)
