@@ -28,7 +28,7 @@ from batchllm.progress import Progress, summary
 from batchllm.resume import JobCannotStart, job_fingerprint, prepare_output
 from batchllm.rows import storage
 from batchllm.rows.blocks import InputIndex, read_index
-from batchllm.rows.build import build_rows
+from batchllm.rows.build import build_table
 from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
@@ -266,8 +266,8 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
             runtime = Runtime.from_config(cfg)
     phases.notes["panel_cache"] = runtime.loaded.panel_cache
     with phases.timed("tokenize"):
-        rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source,
-                          keep_prompt=cfg.output.include_prompt)
+        rows = build_table(runtime.tokenizer, cfg.input, cfg.sampling, source,
+                           keep_prompt=cfg.output.include_prompt)
 
     def on_row(row) -> None:
         writer.add(row)  # a copy, written with the next part

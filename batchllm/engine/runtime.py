@@ -8,8 +8,10 @@ admitted, planned and run the same way whatever the entry point.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from batchllm.config import JobConfig
 from batchllm.engine import tensor_parallel
@@ -23,6 +25,7 @@ from batchllm.model.attention import kv_cache_dtype
 from batchllm.model.loader import LoadedModel, load_model
 from batchllm.plan.rows_plan import plan_rows
 from batchllm.rows.record import Row
+from batchllm.rows.table import RowTable
 
 
 @dataclass(frozen=True)
@@ -112,42 +115,41 @@ class Runtime:
 
     def run(
         self,
-        rows: list[Row],
+        rows: RowTable | Sequence[Row],
         on_row: Callable[[Row], None],
         on_step: Callable[[EngineStats], None] | None = None,
         skip: Collection[int | tuple[int, int]] = (),
     ) -> RunMetrics:
-        """Admit, plan and run `rows`; each row goes to on_row once it has its result (rows that
-        cannot run at once, with their error). A row with sampling.n > 1 runs as n records, one
-        per sample (Row.samples: the same prompt n times, which the plan makes one prefix node
-        with n children), each handed to on_row. Records listed in `skip` (done by an earlier,
+        """Admit, plan and run `rows` (a RowTable, rows/table.py, or Rows, packed into one); each
+        row goes to on_row once it has its result (rows that cannot run at once, with their
+        error), a Row made for it then (RowTable[k]). A row with sampling.n > 1 runs as n
+        records, one per sample (Row.samples: the same prompt n times, which the plan makes one
+        prefix node with n children), each handed to on_row. Records listed in `skip` (done by an earlier,
         interrupted run: a row index for all its samples, or (index, sample)) are planned with
         the others, so that the plan is the same, but neither run nor handed out."""
         start = time.perf_counter()
         skip = skip if isinstance(skip, (set, frozenset)) else set(skip)
-        records = rows  # n = 1 everywhere: the rows themselves
-        if any(r.sampling.n != 1 for r in rows):
-            records = [r for row in rows for r in row.samples()]
+        records = (rows if isinstance(rows, RowTable) else RowTable.of(rows)).with_samples()
         self._check_grammars(records)
         planned = plan_rows(records, self.max_model_len, self.settings.prefix_sharing,
                             self.settings.order)
-        for row in records:
-            if not row.ok and not row.listed_in(skip):
+        for row in planned.failed:
+            if not row.listed_in(skip):
                 on_row(row)
         self._check_memory(planned.rows)  # all rows: the result must not depend on the skipped
         todo = planned.restricted_to(skip)
         planned_at = time.perf_counter()
-        stats = self.engine.run(todo.rows, todo.plan, on_row, on_step)
-        ran = [r for r in todo.rows if not r.listed_in(skip)]
+        ran = _Ran(on_row)
+        stats = self.engine.run(todo.rows, todo.plan, ran, on_step)
         end = time.perf_counter()
         wall = end - start
         model = self.loaded
         return RunMetrics(
-            rows=sum(1 for r in records if not r.listed_in(skip)),
-            prompt_tokens=sum(r.prompt_tokens for r in ran),
+            rows=int(len(records) - records.listed(skip).sum()),
+            prompt_tokens=ran.prompt_tokens,
             prefill_tokens=stats.prefill_tokens,
             tree_tokens=todo.plan.tree_tokens,
-            cached_tokens=sum(r.cached_tokens for r in ran),
+            cached_tokens=ran.cached_tokens,
             completion_tokens=stats.completion_tokens,
             wall_seconds=wall,
             kv_pages_total=stats.kv_pages_total,
@@ -168,24 +170,27 @@ class Runtime:
             kernel_path=model.model.kernel_path,
         )
 
-    def _check_grammars(self, rows: list[Row]) -> None:
+    def _check_grammars(self, rows: RowTable) -> None:
         """Rows whose structured output does not compile become error rows with the compiler's
         message (each distinct spec compiled once); the others run."""
         grammars = self.engine.grammars
-        for row in rows:
-            if row.ok and row.sampling.constraint is not None and row.sampling.problem() is None:
-                why = grammars.problem(row.sampling)
+        bad = {}
+        for k, sp in enumerate(rows.settings):
+            if sp.constraint is not None and sp.problem() is None:
+                why = grammars.problem(sp)
                 if why is not None:
-                    row.fail(why)
+                    bad[k] = why
+        for k in np.flatnonzero(np.isin(rows.setting, list(bad))).tolist():
+            rows.errors.setdefault(k, bad[int(rows.setting[k])])
 
-    def _check_memory(self, rows: list[Row]) -> None:
+    def _check_memory(self, rows: RowTable) -> None:
         """Before the run: the largest request (prompt + max_tokens, up to the model's limit)
         must fit in the pool by itself, plus one page for a shared prefix's partial page."""
-        if not rows:
+        if not len(rows):
             return
         ps, engine = self.engine.page_size, self.engine
-        longest = max(min(r.prompt_tokens + r.sampling.max_tokens, self.max_model_len)
-                      for r in rows)
+        longest = int(np.minimum(rows.prompt_tokens() + rows.max_tokens(),
+                                 self.max_model_len).max())
         need = -(-longest // ps) + 1
         if need > engine.num_pages:
             raise KVCacheTooSmall(
@@ -194,3 +199,16 @@ class Runtime:
                 f"request ({longest} tokens) needs {need} pages, i.e. at least "
                 f"{need * ps * engine.bytes_per_token} bytes"
             )
+
+
+class _Ran:
+    """on_row for the rows the engine runs, counting their prompt and cached tokens."""
+
+    def __init__(self, on_row: Callable[[Row], None]) -> None:
+        self.on_row = on_row
+        self.prompt_tokens = self.cached_tokens = 0
+
+    def __call__(self, row: Row) -> None:
+        self.prompt_tokens += row.prompt_tokens
+        self.cached_tokens += row.cached_tokens
+        self.on_row(row)

@@ -12,34 +12,38 @@ from dataclasses import dataclass
 import numpy as np
 
 from batchllm.plan.planner import Plan, make_plan
-from batchllm.rows.admission import admit
+from batchllm.rows.admission import admit, admit_table
 from batchllm.rows.record import Row
+from batchllm.rows.table import RowTable
 
 
 @dataclass(eq=False)
 class RowsPlan:
-    """rows[k] is the plan's row k: the admitted rows, in their given order."""
+    """rows[k] is the plan's row k: the admitted rows, in their given order; failed: the rows
+    that cannot run, failed with their reason, in order."""
 
     plan: Plan
-    rows: list[Row]
+    rows: RowTable
+    failed: list[Row]
 
     def restricted_to(self, skip: Collection[int | tuple[int, int]]) -> RowsPlan:
         """The same plan without the rows listed in `skip` (done by an earlier run: a row index,
         or (index, sample) for one sample of it)."""
         if not skip:
             return self
-        keep = np.asarray([not r.listed_in(skip) for r in self.rows], dtype=bool)
-        return RowsPlan(self.plan.restricted_to(keep), self.rows)
+        return RowsPlan(self.plan.restricted_to(~self.rows.listed(skip)), self.rows, self.failed)
 
 
-def plan_rows(rows: Sequence[Row], max_model_len: int, prefix_sharing: bool,
+def plan_rows(rows: Sequence[Row] | RowTable, max_model_len: int, prefix_sharing: bool,
               order: str) -> RowsPlan:
-    """Admit the rows (the others are failed with their reason) and plan the admitted ones."""
-    good = admit(rows, max_model_len)
-    plan = make_plan(
-        [r.prompt_ids for r in good],
-        np.asarray([r.sampling.max_tokens for r in good], dtype=np.int32),
-        prefix_sharing=prefix_sharing,
-        order=order,
-    )
-    return RowsPlan(plan, good)
+    """Admit the rows (the others are failed with their reason: Rows of a list in place) and
+    plan the admitted ones."""
+    if isinstance(rows, RowTable):
+        good, failed = admit_table(rows, max_model_len)
+    else:
+        admitted = admit(rows, max_model_len)
+        good, failed = RowTable.of(admitted), [r for r in rows if not r.ok]
+    tokens, offsets = good.packed_tokens()
+    plan = make_plan(tokens, good.max_tokens().astype(np.int32), prefix_sharing=prefix_sharing,
+                     order=order, offsets=offsets)
+    return RowsPlan(plan, good, failed)

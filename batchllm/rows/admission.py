@@ -11,17 +11,27 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Iterable
 
+import numpy as np
+
 from batchllm.rows.record import Row
+from batchllm.rows.table import RowTable
+from batchllm.sampling_params import SamplingParams
 
 
 def problem(row: Row, max_model_len: int) -> str | None:
     """Why a row cannot run, in words a user can act on; None when it can."""
-    if row.error is not None:
-        return row.error
-    sampling = row.sampling.problem()
-    if sampling:
-        return sampling
-    n = row.prompt_tokens
+    return problem_of(row.error, row.sampling, row.prompt_tokens, max_model_len)
+
+
+def problem_of(error: str | None, sampling: SamplingParams, prompt_tokens: int,
+               max_model_len: int, sampling_problem: str | None = None) -> str | None:
+    """`problem` from a row's parts (sampling_problem: sampling.problem(), when known)."""
+    if error is not None:
+        return error
+    why = sampling_problem if sampling_problem is not None else sampling.problem()
+    if why:
+        return why
+    n = prompt_tokens
     if n == 0:
         return "the prompt is empty (0 tokens)"
     if n >= max_model_len:
@@ -48,3 +58,39 @@ def admit(rows: Iterable[Row], max_model_len: int) -> list[Row]:
         else:
             row.fail(why)
     return admitted
+
+
+def _sampling_problem(sampling: SamplingParams) -> str:
+    """sampling.problem(), "" for none, the exception's message if it raises (the guard)."""
+    try:
+        return sampling.problem() or ""
+    except Exception as e:  # noqa: BLE001 - the guard of the rows with these settings
+        return f"{type(e).__name__}: {e}"
+
+
+def admit_table(table: RowTable, max_model_len: int) -> tuple[RowTable, list[Row]]:
+    """`admit` over a RowTable: (the rows that can run, as a table, their max_tokens capped;
+    the others as failed Rows, in order). The same rule, each distinct setting checked once."""
+    checked = [_sampling_problem(s) for s in table.settings]
+    capped: dict[tuple[int, int], int] = {}  # (setting, room) -> the capped setting's position
+    keep, failed = [], []
+    lengths = table.prompt_tokens().tolist()
+    for k, (s, n) in enumerate(zip(table.setting.tolist(), lengths)):
+        sampling = table.settings[s]
+        try:
+            why = problem_of(table.errors.get(k), sampling, n, max_model_len, checked[s])
+            room = max_model_len - n
+            if why is None and sampling.max_tokens > room:
+                if (s, room) not in capped:
+                    capped[s, room] = len(table.settings)
+                    table.settings.append(dataclasses.replace(sampling, max_tokens=room))
+                table.setting[k] = capped[s, room]
+        except Exception as e:  # noqa: BLE001 - the guard of one row
+            why = f"{type(e).__name__}: {e}"
+        if why is None:
+            keep.append(k)
+        else:
+            row = table[k]
+            row.fail(why)
+            failed.append(row)
+    return table.taken(np.asarray(keep, np.int64)), failed

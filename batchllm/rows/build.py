@@ -10,10 +10,13 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 
+import numpy as np
+
 from batchllm.config import InputConfig, SamplingConfig
 from batchllm.rows.prompts import conversation, render_chats, tokenize
 from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
+from batchllm.rows.table import RowTable
 from batchllm.sampling_params import CONSTRAINTS, SamplingParams
 
 _BATCH = 1024  # conversations rendered, or texts tokenized, per call
@@ -96,8 +99,14 @@ def _batched(fn: Callable[[list], list], items: dict[int, object], errors: dict[
 
 def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
                first_index: int = 0, keep_prompt: bool = True) -> list[Row]:
-    """One Row per input row, in order; rows[i] gets index first_index + i (a block of a larger
-    input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
+    """One Row per input row, in order (build_table's rows as Row objects)."""
+    return list(build_table(tokenizer, cfg, sampling, rows, first_index, keep_prompt))
+
+
+def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
+                first_index: int = 0, keep_prompt: bool = True) -> RowTable:
+    """The input rows as a RowTable, in order; rows[i] gets index first_index + i (a block of a
+    larger input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
     plain, convs, errors = _texts(cfg, rows)
     rendered = _batched(lambda c: render_chats(tokenizer, c), convs, errors,
                         "input: the chat template failed on this row")
@@ -106,25 +115,33 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
     failed = "input: the tokenizer failed on this row"
     ids = {**_batched(lambda t: tokenize(tokenizer, t, True), plain, errors, failed),
            **_batched(lambda t: tokenize(tokenizer, t, False), rendered, errors, failed)}
-    row_ids = rows.ids.to_pylist()
-    out = []
-    distinct: dict[tuple, SamplingParams] = {}  # rows with the same settings share one object
+    n = rows.num_rows
+    lengths = np.fromiter((len(ids[i]) if i in ids else -1 for i in range(n)), np.int32, n)
+    tokens = np.concatenate([ids[i] for i in range(n) if i in ids] or [np.zeros(0, np.int32)])
+    ids.clear()
+    settings: list[SamplingParams] = []
+    setting = np.zeros(n, np.int32)
+    distinct: dict[tuple, int] = {}  # rows with the same settings share one object
     columns = list(rows.overrides.values())
-    for i in range(rows.num_rows):
+    for i in range(n):
         try:
             # (type, value): 1, 1.0 and True stay apart
             cells: tuple | None = tuple((type(c[i]), c[i]) for c in columns)
             try:
-                sp = distinct.get(cells)
+                k = distinct.get(cells)
             except TypeError:  # an unhashable cell (a json_schema object): its own settings
-                cells = sp = None
-            if sp is None:
-                sp = row_sampling(sampling, rows.overrides, i)
+                cells = k = None
+            if k is None:
+                k = len(settings)
+                settings.append(row_sampling(sampling, rows.overrides, i))
                 if cells is not None:
-                    distinct[cells] = sp
+                    distinct[cells] = k
         except Exception as e:  # noqa: BLE001 - the guard of one row
-            sp = SamplingParams()
+            k = len(settings)
+            settings.append(SamplingParams())
             errors.setdefault(i, f"sampling override: {e}")
-        out.append(Row(first_index + i, row_ids[i], ids.get(i), sp,
-                       text.get(i) if keep_prompt else None, errors.get(i)))
-    return out
+        setting[i] = k
+    starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
+    return RowTable(tokens, starts[:n], lengths, first_index + np.arange(n, dtype=np.int64),
+                    np.zeros(n, np.int32), setting, settings, rows.ids, errors,
+                    [text.get(i) for i in range(n)] if keep_prompt else None)

@@ -29,6 +29,13 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # [(token_id, logprob)] * k
 
 
+def num_samples(sampling: SamplingParams) -> int:
+    """A row's records: sampling.n when it is valid, else 1 (the row is then an error row: one
+    record)."""
+    n = sampling.n
+    return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+
+
 @dataclass(eq=False, slots=True)
 class Row:
     """An input row and, once it finished, its completion.
@@ -75,9 +82,7 @@ class Row:
 
     @property
     def num_samples(self) -> int:
-        """sampling.n when it is valid, else 1 (the row is then an error row: one record)."""
-        n = self.sampling.n
-        return n if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= MAX_N else 1
+        return num_samples(self.sampling)
 
     @property
     def wants_logprobs(self) -> bool:
