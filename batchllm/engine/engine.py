@@ -16,7 +16,7 @@ import torch
 from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.runner import ModelRunner
 from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
@@ -161,16 +161,16 @@ class Engine:
         return stats
 
     def _sequence(self, kind: int, key: int, rows: list[Row], plan: Plan,
-                  terminal: set[int]) -> Sequence:
+                  terminal: set[int]) -> Request:
         if kind == 0:  # a shared prefix node
             src = rows[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])
-            return Sequence(
+            return Request(
                 Kind.PREFIX, key, src[:end].tolist(), end, parent=int(plan.node_parent[key]),
                 wants_logits=key in terminal,
             )
         r = rows[key]
-        return Sequence(
+        return Request(
             Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
             parent=int(plan.row_parent[key]), sampling=r.sampling,
             rng_key=row_key(r.sampling.seed, r.id, r.sample),
@@ -178,7 +178,7 @@ class Engine:
             logprobs=[] if r.wants_logprobs else None,
         )
 
-    def _sample(self, logits, seqs: list[Sequence], sched, rows: list[Row], on_row,
+    def _sample(self, logits, seqs: list[Request], sched, rows: list[Row], on_row,
                 stats) -> float:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
         output: masked in place). Unconstrained rows without logprobs take the plain path.
@@ -210,7 +210,7 @@ class Engine:
         self._advance(seqs, tokens, sched, rows, on_row, stats)
         return kernel_seconds
 
-    def _advance(self, seqs: list[Sequence], tokens: list[int], sched, rows: list[Row], on_row,
+    def _advance(self, seqs: list[Request], tokens: list[int], sched, rows: list[Row], on_row,
                  stats) -> None:
         """Each sequence takes its new token; the finished ones go to on_row."""
         for seq, tok in zip(seqs, tokens):
