@@ -62,7 +62,7 @@ class DeviceRunner:
                                        page_size, max_num_seqs, max_model_len,
                                        capture=dev.type == "cuda")
 
-    def run(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
+    def forward_step(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
             greedy: bool = False) -> StepOutput:  # greedy: unused, the logits stay on the device
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         rows, index, pages = self.table.update(batch.seqs)
@@ -76,7 +76,7 @@ class DeviceRunner:
         t0 = time.perf_counter()
         replayed = False
         if graph:
-            hidden = self.graphs.run(key)
+            hidden = self.graphs.replay(key)
             replayed = self.graphs.capture
             n = len(batch.seqs)
             hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[

@@ -81,7 +81,7 @@ class Engine:
         self.num_pages = num_pages
         self.bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
 
-    def run(
+    def generate(
         self,
         rows: list[Row],
         plan: Plan,
@@ -104,7 +104,7 @@ class Engine:
             started = time.perf_counter()
             kernel_seconds = 0.0  # the forward's and the sampling kernels' share of this step
             while cursor < len(kinds) and len(sched.waiting) < window:
-                sched.add(self._sequence(kinds[cursor], ids[cursor], rows, plan, terminal))
+                sched.add(self._request(kinds[cursor], ids[cursor], rows, plan, terminal))
                 cursor += 1
             if not sched.has_work:
                 break
@@ -120,7 +120,7 @@ class Engine:
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
                 greedy = not step.from_prefix and all(
                     greedy_only(s) for s, w in zip(step.seqs, wants) if w)
-                out = self.runner.run(step.seqs, step.num_tokens, wants, greedy)
+                out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
                 kernel_seconds += out.forward_seconds
@@ -160,8 +160,8 @@ class Engine:
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
 
-    def _sequence(self, kind: int, key: int, rows: list[Row], plan: Plan,
-                  terminal: set[int]) -> Request:
+    def _request(self, kind: int, key: int, rows: list[Row], plan: Plan,
+                 terminal: set[int]) -> Request:
         if kind == 0:  # a shared prefix node
             src = rows[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])

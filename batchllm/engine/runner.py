@@ -44,7 +44,7 @@ class ModelRunner:
         self.cascade = cascade
         self.device = model.embed.device
 
-    def run(
+    def forward_step(
         self,
         seqs: list[Request],
         counts: list[int],

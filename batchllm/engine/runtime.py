@@ -1,5 +1,5 @@
 """The engine a job runs on: the model loaded once, the KV pool sized, the job's engine settings;
-`run(rows)` admits, plans and runs a list of rows and returns the run's metrics.
+`run_rows(rows)` admits, plans and runs a list of rows and returns the run's metrics.
 
 This is what jobs, Ray workers and the Python API (batchllm.LLM) all call, so that a row is
 admitted, planned and run the same way whatever the entry point.
@@ -110,7 +110,7 @@ class Runtime:
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
 
-    def run(
+    def run_rows(
         self,
         rows: list[Row],
         on_row: Callable[[Row], None],
@@ -137,7 +137,7 @@ class Runtime:
         self._check_memory(planned.rows)  # all rows: the result must not depend on the skipped
         todo = planned.restricted_to(skip)
         planned_at = time.perf_counter()
-        stats = self.engine.run(todo.rows, todo.plan, on_row, on_step)
+        stats = self.engine.generate(todo.rows, todo.plan, on_row, on_step)
         ran = [r for r in todo.rows if not r.listed_in(skip)]
         end = time.perf_counter()
         wall = end - start

@@ -36,7 +36,7 @@ class _PlanBuilder:
     copies: list[tuple[int, int]] = field(default_factory=list)
     from_prefix: list[Request] = field(default_factory=list)
 
-    def run(self, seq: Request, n: int) -> None:
+    def take(self, seq: Request, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
         self.budget -= n
@@ -92,7 +92,7 @@ class Scheduler:
                 preempted = True
                 break
             seq.pages += self.pool.allocate(need)
-            plan.run(seq, n)
+            plan.take(seq, n)
             i += 1
         if not preempted:
             self._admit(plan)
@@ -139,7 +139,7 @@ class Scheduler:
             if n == 0:
                 plan.from_prefix.append(seq)
             else:
-                plan.run(seq, n)
+                plan.take(seq, n)
 
     def _attach(self, seq: Request) -> tuple[bool, tuple[int, int] | None]:
         """Borrow the parent prefix's pages, if it has one. Returns whether the page for the
