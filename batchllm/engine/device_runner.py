@@ -63,7 +63,8 @@ class DeviceRunner:
                                        capture=dev.type == "cuda")
 
     def forward_step(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
-            greedy: bool = False) -> StepOutput:  # greedy: unused, the logits stay on the device
+                     greedy: bool = False) -> StepOutput:
+        # greedy: unused, the logits stay on the device
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         rows, index, pages = self.table.update(batch.seqs)
         graph = self.graphs is not None and batch.decode_only

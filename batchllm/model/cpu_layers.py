@@ -106,7 +106,7 @@ class CpuLayers:
         return records
 
     def forward(self, h: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-            mlp_rows: int) -> None:
+                mlp_rows: int) -> None:
         """Every layer over the step that `attention.meta` describes; h [T, H] float32
         contiguous, the residual stream, in and out; positions [T] int64; the MLP in blocks of
         mlp_rows rows (decoder.py's)."""
