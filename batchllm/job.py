@@ -275,7 +275,7 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
         row.release()  # the driver keeps no finished row's results until the end
 
     try:
-        return runtime.run(rows, on_row, bar.step, skip=done)
+        return runtime.run_rows(rows, on_row, bar.step, skip=done)
     finally:
         phases.first_forward = runtime.loaded.first_forward
 

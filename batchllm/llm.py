@@ -172,7 +172,8 @@ class LLM:
 
     def _run(self, rows: list[Row]) -> list[list[Row]]:
         """Run rows (row i has index i); per row its sample records, in sample order. Every
-        record, the ones Runtime.run makes for samples 1..n-1 included, comes back via on_row."""
+        record, the ones Runtime.run_rows makes for samples 1..n-1 included, comes back via
+        on_row."""
         got: list[list[Row]] = [[] for _ in rows]
-        self.last_metrics = self.runtime.run(rows, lambda r: got[r.index].append(r)).to_dict()
+        self.last_metrics = self.runtime.run_rows(rows, lambda r: got[r.index].append(r)).to_dict()
         return [sorted(g, key=lambda r: r.sample) for g in got]

@@ -32,10 +32,10 @@ def _enospc_after(n: int) -> None:
 def _crash() -> None:
     from batchllm.engine.engine import Engine
 
-    def run(self, *args, **kwargs):
+    def generate(self, *args, **kwargs):
         raise RuntimeError("injected failure inside the engine")
 
-    Engine.run = run
+    Engine.generate = generate
 
 
 if __name__ == "__main__":

@@ -10,19 +10,19 @@ import torch
 
 from batchllm.engine.block_table import BlockTable
 from batchllm.engine.cuda_graphs import buckets
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.step_buffers import StepBuffers
 
 CPU = torch.device("cpu")
 
 
-def seq(pages: list[int], computed: int) -> Sequence:
-    s = Sequence(Kind.ROW, 0, list(range(100)), 100)
+def seq(pages: list[int], computed: int) -> Request:
+    s = Request(Kind.ROW, 0, list(range(100)), 100)
     s.pages, s.computed = list(pages), computed
     return s
 
 
-def apply(table: BlockTable, seqs: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
+def apply(table: BlockTable, seqs: list[Request]) -> tuple[list[int], list[int], list[int]]:
     rows, index, pages = table.update(seqs)
     table.write(torch.tensor(index, dtype=torch.int64), torch.tensor(pages, dtype=torch.int32))
     return rows, index, pages

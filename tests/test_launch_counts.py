@@ -67,19 +67,19 @@ def count_decode_steps(monkeypatch, cuda_graphs: bool) -> list[dict]:
         for x in launches:
             current["triton"][x.kernel.fn.__name__] += 1
 
-    def counted_run(seqs, counts, wants, *rest):
+    def counted_step(seqs, counts, wants, *rest):
         current.update(triton=Counter(), graph=Counter())
         mode = _TorchOps()
         with mode:
-            out = run(seqs, counts, wants, *rest)
+            out = forward_step(seqs, counts, wants, *rest)
         current["torch"] = mode.ops
         current["decode"] = all(n == 1 for n in counts)
         steps.append(dict(current))
         return out
 
-    run = runner.run
+    forward_step = runner.forward_step
     monkeypatch.setattr(launch, "run", count_launches)
-    monkeypatch.setattr(runner, "run", counted_run)
+    monkeypatch.setattr(runner, "forward_step", counted_step)
     llm.generate([list(range(10, 30)), list(range(40, 47))],
                  SamplingParams(max_tokens=4, ignore_eos=True))
     return [s for s in steps if s["decode"]]

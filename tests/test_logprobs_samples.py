@@ -150,7 +150,7 @@ def test_job_output_lines_per_sample_and_resume_per_sample(tmp_path) -> None:
     runtime = Runtime.from_config(cfg)
     rows = build_rows(runtime.tokenizer, cfg.input, cfg.sampling, source)
     keep = {(0, 0), (0, 2), (1, 0), (1, 1), (1, 2), (4, 1)}
-    runtime.run(rows, lambda r: writer.add(r) if r.key in keep else None)
+    runtime.run_rows(rows, lambda r: writer.add(r) if r.key in keep else None)
     writer.flush()
     assert writer.done_rows() == {1, (0, 0), (0, 2), (4, 1)}
     resumed = run_job(str(part_job), ["output.mode=resume"], progress=False)

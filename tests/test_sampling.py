@@ -28,7 +28,7 @@ def run_rows(llm: LLM, order: list[int], sp: SamplingParams) -> dict[str, list[i
     ps = prompts()
     rows = [Row(k, f"row-{i}", ps[i], sp) for k, i in enumerate(order)]
     out: dict[str, list[int]] = {}
-    llm.runtime.run(rows, lambda row: out.__setitem__(row.id, row.token_ids))
+    llm.runtime.run_rows(rows, lambda row: out.__setitem__(row.id, row.token_ids))
     return out
 
 

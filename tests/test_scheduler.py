@@ -8,19 +8,19 @@ from __future__ import annotations
 import pytest
 
 from batchllm.engine.pages import PagePool
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.scheduler import KVCacheTooSmall, Scheduler, StepPlan
 
 
-def row(key: int, prompt: int, parent: int = -1) -> Sequence:
-    return Sequence(Kind.ROW, key, list(range(prompt)), prompt, parent=parent)
+def row(key: int, prompt: int, parent: int = -1) -> Request:
+    return Request(Kind.ROW, key, list(range(prompt)), prompt, parent=parent)
 
 
-def prefix(key: int, end: int, parent: int = -1) -> Sequence:
-    return Sequence(Kind.PREFIX, key, list(range(end)), end, parent=parent)
+def prefix(key: int, end: int, parent: int = -1) -> Request:
+    return Request(Kind.PREFIX, key, list(range(end)), end, parent=parent)
 
 
-def scheduler(num_pages: int, page_size: int, *seqs: Sequence, max_num_seqs: int = 8,
+def scheduler(num_pages: int, page_size: int, *seqs: Request, max_num_seqs: int = 8,
               max_batched_tokens: int = 64, users: dict[int, int] | None = None) -> Scheduler:
     sched = Scheduler(PagePool(num_pages), page_size, max_num_seqs, max_batched_tokens,
                       users or {})
@@ -40,7 +40,7 @@ def step(sched: Scheduler) -> StepPlan:
     return plan
 
 
-def keys(seqs: list[Sequence]) -> list[int]:
+def keys(seqs: list[Request]) -> list[int]:
     return [s.key for s in seqs]
 
 

@@ -11,7 +11,7 @@ import random
 import pytest
 from hf_reference import smollm2_folder
 
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.tokenizer import load_tokenizer
 from batchllm.sampling_params import SamplingParams
@@ -26,7 +26,7 @@ def tokenizer():
 
 def _feed(checker: StopChecker, out: list[int], sp: SamplingParams, on_step=None):
     """The output fed one token at a time, as the engine does: (tokens taken, text, reason)."""
-    seq = Sequence(Kind.ROW, 0, [1, 3, 5], 3, sampling=sp)
+    seq = Request(Kind.ROW, 0, [1, 3, 5], 3, sampling=sp)
     for k, tok in enumerate(out, 1):
         seq.token_ids.append(tok)
         done = checker.check(seq)

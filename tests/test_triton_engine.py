@@ -129,8 +129,8 @@ def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypat
     monkeypatch.setattr(launch, "run", counted)
     graph_keys: list = []
     if runner.graphs is not None:
-        static = runner.graphs.run
-        monkeypatch.setattr(runner.graphs, "run", lambda key: graph_keys.append(key) or
+        static = runner.graphs.replay
+        monkeypatch.setattr(runner.graphs, "replay", lambda key: graph_keys.append(key) or
                             static(key))
     twins = _TwinOps()
     with twins:

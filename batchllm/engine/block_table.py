@@ -15,12 +15,12 @@ from dataclasses import dataclass
 
 import torch
 
-from batchllm.engine.request import Sequence
+from batchllm.engine.request import Request
 
 
 @dataclass
 class _Row:
-    seq: Sequence  # held, so that id(seq) is not reused while the row is
+    seq: Request  # held, so that id(seq) is not reused while the row is
     row: int
     written: int  # leading pages of seq.pages already in the row
     computed: int  # seq.computed when it last ran
@@ -35,7 +35,7 @@ class BlockTable:
         self._free = list(range(num_rows - 1, -1, -1))
         self._step = 0
 
-    def update(self, seqs: list[Sequence]) -> tuple[list[int], list[int], list[int]]:
+    def update(self, seqs: list[Request]) -> tuple[list[int], list[int], list[int]]:
         """The row of each of a step's sequences, and the entries to write before the step runs:
         (rows, flat indices into the table, page ids)."""
         self._step += 1

@@ -74,7 +74,7 @@ class DecodeGraphs:
             values["cu_prefix_q"] = [0, *(g.hi for g in batch.groups), *[b] * (groups - real)]
         return values, (b, bool(batch.groups))
 
-    def run(self, key: tuple[int, bool]) -> torch.Tensor:
+    def replay(self, key: tuple[int, bool]) -> torch.Tensor:
         """The staged step through its bucket's graph (captured on first use) or, with nothing
         to capture, the same static path eagerly -> hidden states [bucket, H]; the step's rows
         first, in step order."""

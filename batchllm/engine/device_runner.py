@@ -25,7 +25,7 @@ import torch
 
 from batchllm.engine.block_table import BlockTable
 from batchllm.engine.cuda_graphs import DecodeGraphs
-from batchllm.engine.request import Sequence
+from batchllm.engine.request import Request
 from batchllm.engine.runner import StepOutput
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.engine.step_buffers import StepBuffers
@@ -62,8 +62,9 @@ class DeviceRunner:
                                        page_size, max_num_seqs, max_model_len,
                                        capture=dev.type == "cuda")
 
-    def run(self, seqs: list[Sequence], counts: list[int], wants_logits: list[bool],
-            greedy: bool = False) -> StepOutput:  # greedy: unused, the logits stay on the device
+    def forward_step(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
+                     greedy: bool = False) -> StepOutput:
+        # greedy: unused, the logits stay on the device
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         rows, index, pages = self.table.update(batch.seqs)
         graph = self.graphs is not None and batch.decode_only
@@ -76,7 +77,7 @@ class DeviceRunner:
         t0 = time.perf_counter()
         replayed = False
         if graph:
-            hidden = self.graphs.run(key)
+            hidden = self.graphs.replay(key)
             replayed = self.graphs.capture
             n = len(batch.seqs)
             hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[

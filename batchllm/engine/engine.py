@@ -16,7 +16,7 @@ import torch
 from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.runner import ModelRunner
 from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
@@ -81,7 +81,7 @@ class Engine:
         self.num_pages = num_pages
         self.bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
 
-    def run(
+    def generate(
         self,
         rows: list[Row],
         plan: Plan,
@@ -104,7 +104,7 @@ class Engine:
             started = time.perf_counter()
             kernel_seconds = 0.0  # the forward's and the sampling kernels' share of this step
             while cursor < len(kinds) and len(sched.waiting) < window:
-                sched.add(self._sequence(kinds[cursor], ids[cursor], rows, plan, terminal))
+                sched.add(self._request(kinds[cursor], ids[cursor], rows, plan, terminal))
                 cursor += 1
             if not sched.has_work:
                 break
@@ -120,7 +120,7 @@ class Engine:
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
                 greedy = not step.from_prefix and all(
                     greedy_only(s) for s, w in zip(step.seqs, wants) if w)
-                out = self.runner.run(step.seqs, step.num_tokens, wants, greedy)
+                out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
                 kernel_seconds += out.forward_seconds
@@ -160,17 +160,17 @@ class Engine:
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
 
-    def _sequence(self, kind: int, key: int, rows: list[Row], plan: Plan,
-                  terminal: set[int]) -> Sequence:
+    def _request(self, kind: int, key: int, rows: list[Row], plan: Plan,
+                 terminal: set[int]) -> Request:
         if kind == 0:  # a shared prefix node
             src = rows[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])
-            return Sequence(
+            return Request(
                 Kind.PREFIX, key, src[:end].tolist(), end, parent=int(plan.node_parent[key]),
                 wants_logits=key in terminal,
             )
         r = rows[key]
-        return Sequence(
+        return Request(
             Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
             parent=int(plan.row_parent[key]), sampling=r.sampling,
             rng_key=row_key(r.sampling.seed, r.id, r.sample),
@@ -178,7 +178,7 @@ class Engine:
             logprobs=[] if r.wants_logprobs else None,
         )
 
-    def _sample(self, logits, seqs: list[Sequence], sched, rows: list[Row], on_row,
+    def _sample(self, logits, seqs: list[Request], sched, rows: list[Row], on_row,
                 stats) -> float:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
         output: masked in place). Unconstrained rows without logprobs take the plain path.
@@ -210,7 +210,7 @@ class Engine:
         self._advance(seqs, tokens, sched, rows, on_row, stats)
         return kernel_seconds
 
-    def _advance(self, seqs: list[Sequence], tokens: list[int], sched, rows: list[Row], on_row,
+    def _advance(self, seqs: list[Request], tokens: list[int], sched, rows: list[Row], on_row,
                  stats) -> None:
         """Each sequence takes its new token; the finished ones go to on_row."""
         for seq, tok in zip(seqs, tokens):

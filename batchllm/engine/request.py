@@ -18,7 +18,7 @@ class Kind(Enum):
 
 
 @dataclass
-class Sequence:
+class Request:
     kind: Kind
     key: int  # row index for rows, node id for prefixes
     token_ids: list[int]  # prompt (for a prefix: its tokens), then generated tokens

@@ -17,7 +17,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
-from batchllm.engine.request import Sequence
+from batchllm.engine.request import Request
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.model.attention import PagedAttention, StepMetadata
 from batchllm.model.decoder import DecoderModel
@@ -25,7 +25,7 @@ from batchllm.model.decoder import DecoderModel
 
 class StepOutput(NamedTuple):
     logits: torch.Tensor | None  # [S, V] fp32, one row per sequence in `sampled`
-    sampled: list[Sequence]
+    sampled: list[Request]
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
     tokens: list[int] | None = None  # instead of logits: their argmax, for a greedy step
     forward_seconds: float = 0.0  # host time spent in the model's forward (and lm_head)
@@ -44,9 +44,9 @@ class ModelRunner:
         self.cascade = cascade
         self.device = model.embed.device
 
-    def run(
+    def forward_step(
         self,
-        seqs: list[Sequence],
+        seqs: list[Request],
         counts: list[int],
         wants_logits: list[bool],
         greedy: bool = False,

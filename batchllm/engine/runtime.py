@@ -1,5 +1,5 @@
 """The engine a job runs on: the model loaded once, the KV pool sized, the job's engine settings;
-`run(rows)` admits, plans and runs a list of rows and returns the run's metrics.
+`run_rows(rows)` admits, plans and runs a list of rows and returns the run's metrics.
 
 This is what jobs, Ray workers and the Python API (batchllm.LLM) all call, so that a row is
 admitted, planned and run the same way whatever the entry point.
@@ -113,7 +113,7 @@ class Runtime:
     def max_model_len(self) -> int:
         return self.loaded.max_model_len
 
-    def run(
+    def run_rows(
         self,
         rows: RowTable | Sequence[Row],
         on_row: Callable[[Row], None],
@@ -140,7 +140,7 @@ class Runtime:
         todo = planned.restricted_to(skip)
         planned_at = time.perf_counter()
         ran = _Ran(on_row)
-        stats = self.engine.run(todo.rows, todo.plan, ran, on_step)
+        stats = self.engine.generate(todo.rows, todo.plan, ran, on_step)
         end = time.perf_counter()
         wall = end - start
         model = self.loaded

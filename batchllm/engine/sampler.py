@@ -12,7 +12,7 @@ import hashlib
 
 import torch
 
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 from batchllm.rows.record import TokenLogprob
 
 _MASK64 = (1 << 64) - 1
@@ -36,7 +36,7 @@ def uniform(key: int, counter: int) -> float:
     return (z >> 11) / float(1 << 53)
 
 
-def greedy_only(seq: Sequence) -> bool:
+def greedy_only(seq: Request) -> bool:
     """Whether a sequence's next token is the plain argmax of its logits, nothing else read
     from them: a row at temperature 0, no grammar mask, no logprobs (then the lm_head need not
     write the logits; a shared prefix's logits are kept for the rows under it)."""

@@ -14,16 +14,16 @@ from typing import NamedTuple
 
 from batchllm.engine.pages import PagePool
 from batchllm.engine.prefix_store import PrefixStore
-from batchllm.engine.request import Kind, Sequence
+from batchllm.engine.request import Kind, Request
 
 _LOOKAHEAD = 64  # waiting sequences scanned past one blocked on an unfinished prefix
 
 
 class StepPlan(NamedTuple):
-    seqs: list[Sequence]  # sequences that run tokens this step, in admission order
+    seqs: list[Request]  # sequences that run tokens this step, in admission order
     num_tokens: list[int]  # tokens each runs
     copies: list[tuple[int, int]]  # (source page, destination page), to copy before the step
-    from_prefix: list[Sequence]  # rows admitted whose whole prompt is a computed prefix
+    from_prefix: list[Request]  # rows admitted whose whole prompt is a computed prefix
 
 
 @dataclass
@@ -31,12 +31,12 @@ class _PlanBuilder:
     """The step plan as it is filled, with the token budget left."""
 
     budget: int
-    seqs: list[Sequence] = field(default_factory=list)
+    seqs: list[Request] = field(default_factory=list)
     num_tokens: list[int] = field(default_factory=list)
     copies: list[tuple[int, int]] = field(default_factory=list)
-    from_prefix: list[Sequence] = field(default_factory=list)
+    from_prefix: list[Request] = field(default_factory=list)
 
-    def run(self, seq: Sequence, n: int) -> None:
+    def take(self, seq: Request, n: int) -> None:
         self.seqs.append(seq)
         self.num_tokens.append(n)
         self.budget -= n
@@ -56,15 +56,15 @@ class Scheduler:
     max_num_seqs: int
     max_batched_tokens: int
     node_users: dict[int, int] = field(default_factory=dict)  # prefix node -> dependents
-    waiting: deque[Sequence] = field(default_factory=deque)  # hold no pages, computed 0
-    running: list[Sequence] = field(default_factory=list)  # in admission order
+    waiting: deque[Request] = field(default_factory=deque)  # hold no pages, computed 0
+    running: list[Request] = field(default_factory=list)  # in admission order
     prefixes: PrefixStore = field(init=False)  # `node in prefixes`: computed and held
     preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixStore(self.pool, self.page_size)
 
-    def add(self, seq: Sequence) -> None:
+    def add(self, seq: Request) -> None:
         if seq.parent in self.prefixes.evicted:
             seq.parent = -1
         self.waiting.append(seq)
@@ -73,7 +73,7 @@ class Scheduler:
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
-    def _pages_short(self, seq: Sequence, upto: int) -> int:
+    def _pages_short(self, seq: Request, upto: int) -> int:
         return max(0, -(-upto // self.page_size) - len(seq.pages))
 
     def schedule(self) -> StepPlan:
@@ -92,7 +92,7 @@ class Scheduler:
                 preempted = True
                 break
             seq.pages += self.pool.allocate(need)
-            plan.run(seq, n)
+            plan.take(seq, n)
             i += 1
         if not preempted:
             self._admit(plan)
@@ -139,9 +139,9 @@ class Scheduler:
             if n == 0:
                 plan.from_prefix.append(seq)
             else:
-                plan.run(seq, n)
+                plan.take(seq, n)
 
-    def _attach(self, seq: Sequence) -> tuple[bool, tuple[int, int] | None]:
+    def _attach(self, seq: Request) -> tuple[bool, tuple[int, int] | None]:
         """Borrow the parent prefix's pages, if it has one. Returns whether the page for the
         copy of a partial last page could be had, and that copy (source, destination), if any."""
         if seq.parent < 0:
@@ -156,13 +156,13 @@ class Scheduler:
             seq.cached_tokens = got.end
         return True, got.copy
 
-    def _release(self, seq: Sequence) -> None:
+    def _release(self, seq: Request) -> None:
         """Give back every page `seq` holds (borrowed ones drop a reference)."""
         self.pool.release(seq.pages)
         seq.pages = []
         seq.num_borrowed_pages = 0
 
-    def _reset(self, seq: Sequence) -> None:
+    def _reset(self, seq: Request) -> None:
         """`seq` loses its pages and starts over: nothing computed, nothing borrowed."""
         self._release(seq)
         seq.computed = 0
@@ -178,7 +178,7 @@ class Scheduler:
                 seq.parent = -1
         return True
 
-    def _preempt(self, seq: Sequence) -> None:
+    def _preempt(self, seq: Request) -> None:
         """Free a running sequence's pages and put it first in line, to be recomputed."""
         self.running.remove(seq)
         self._reset(seq)
@@ -195,7 +195,7 @@ class Scheduler:
                 self.running.remove(seq)
                 self.prefixes.add(seq.key, seq.pages, seq.total, self.node_users.get(seq.key, 0))
 
-    def finish(self, seq: Sequence) -> None:
+    def finish(self, seq: Request) -> None:
         """A row is done: its pages go back to the pool at once."""
         self.running.remove(seq)
         self._release(seq)

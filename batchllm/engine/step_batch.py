@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from batchllm.engine.request import Sequence
+from batchllm.engine.request import Request
 
 
 @dataclass(frozen=True)
@@ -27,7 +27,7 @@ class Group:
 
 @dataclass
 class StepBatch:
-    seqs: list[Sequence]  # in step order: cascade groups first, members adjacent
+    seqs: list[Request]  # in step order: cascade groups first, members adjacent
     counts: list[int]  # query rows of each
     ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
@@ -36,7 +36,7 @@ class StepBatch:
     context_lens: np.ndarray  # [B] int32, tokens in the cache after the step
     kv_start: np.ndarray  # [B] int32, first position of the own part (after a group's prefix)
     sample_rows: list[int]  # rows whose logits are sampled
-    sampled: list[Sequence]  # their sequences
+    sampled: list[Request]  # their sequences
     groups: list[Group]
     prefill_tokens: int  # prompt tokens fed through the forward pass
 
@@ -58,7 +58,7 @@ class StepBatch:
         return max(len(s.pages) for s in self.seqs)
 
 
-def cascade_order(seqs: list[Sequence]) -> tuple[list[int], list[tuple[list[int], int]]]:
+def cascade_order(seqs: list[Request]) -> tuple[list[int], list[tuple[list[int], int]]]:
     """Order the step's sequences so that cascade groups come first, members adjacent.
 
     A group is >= 2 sequences that borrow the same pages, i.e. sit under the same shared prefix
@@ -76,7 +76,7 @@ def cascade_order(seqs: list[Sequence]) -> tuple[list[int], list[tuple[list[int]
     return order, groups
 
 
-def build_batch(seqs: list[Sequence], counts: list[int], wants_logits: list[bool],
+def build_batch(seqs: list[Request], counts: list[int], wants_logits: list[bool],
                 page_size: int, cascade: bool) -> StepBatch:
     """The step's flat inputs: `counts[i]` tokens of `seqs[i]` from its computed position on."""
     ps = page_size

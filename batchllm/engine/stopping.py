@@ -16,7 +16,7 @@ from __future__ import annotations
 import weakref
 from dataclasses import dataclass, field
 
-from batchllm.engine.request import Sequence
+from batchllm.engine.request import Request
 
 _MAX_WAIT = 16  # tokens decoded again while the text ends inside a character, at most
 
@@ -52,7 +52,7 @@ class StopChecker:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
-    def check(self, seq: Sequence) -> bool:
+    def check(self, seq: Request) -> bool:
         """Sets seq.finish_reason (and seq.text for a stop string); True when finished.
 
         A constrained row also stops when its grammar is complete (even with ignore_eos: only
@@ -76,11 +76,11 @@ class StopChecker:
             return True
         return False
 
-    def final_text(self, seq: Sequence) -> str:
+    def final_text(self, seq: Request) -> str:
         self._scans.pop(id(seq), None)
         return seq.text if seq.text is not None else self.decode(seq.output_ids)
 
-    def _scan(self, seq: Sequence, out: list[int]) -> _Scan:
+    def _scan(self, seq: Request, out: list[int]) -> _Scan:
         key = id(seq)
         hit = self._scans.get(key)
         if hit is not None and hit[0]() is seq and hit[1].read <= len(out):
@@ -89,7 +89,7 @@ class StopChecker:
         self._scans[key] = (weakref.ref(seq, lambda _, k=key: self._scans.pop(k, None)), scan)
         return scan
 
-    def _stop_text(self, seq: Sequence, out: list[int]) -> str | None:
+    def _stop_text(self, seq: Request, out: list[int]) -> str | None:
         """The row's text before the first stop string, when one ends in this step's new text;
         else None."""
         scan = self._scan(seq, out)

@@ -54,4 +54,4 @@ def warm_up_step(loaded: LoadedModel, tokens: int, page_size: int,
     row = Row(0, 0, np.zeros(tokens, dtype=np.int32),
               SamplingParams(max_tokens=1, ignore_eos=True))
     planned = plan_rows([row], loaded.max_model_len, False, "input")
-    return engine.run(planned.rows, planned.plan, lambda _row: None)
+    return engine.generate(planned.rows, planned.plan, lambda _row: None)

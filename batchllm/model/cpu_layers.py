@@ -48,7 +48,7 @@ def _float_rows(t: torch.Tensor) -> bool:
 
 class CpuLayers:
     """A model's layers as layers.c's records: the weights' once (`of`), the cache's once per
-    KV pool, the step's at each `run`."""
+    KV pool, the step's at each `forward`."""
 
     def __init__(self, model: LayeredModel) -> None:
         self.model = model
@@ -105,8 +105,8 @@ class CpuLayers:
         self._layers = (kc.data_ptr(), records)
         return records
 
-    def run(self, h: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
-            mlp_rows: int) -> None:
+    def forward(self, h: torch.Tensor, positions: torch.Tensor, attention: PagedAttention,
+                mlp_rows: int) -> None:
         """Every layer over the step that `attention.meta` describes; h [T, H] float32
         contiguous, the residual stream, in and out; positions [T] int64; the MLP in blocks of
         mlp_rows rows (decoder.py's)."""
@@ -139,7 +139,7 @@ class CpuLayers:
             len(dec_seqs), chunk_seqs.data_ptr(), len(chunk_seqs), groups, address(pages),
             pages.shape[1] if groups else 0, address(lens), address(cu_prefix), h.data_ptr(),
             *(b.data_ptr() for b in buffers))
-        failed = cpu_layers.run(shape, self._records(attention), step)
+        failed = cpu_layers.run_layers(shape, self._records(attention), step)
         if failed >= 0:
             table_len = self.model.layers[failed].attn.cos.shape[0]
             raise IndexError(f"rope_c: positions outside the table of {table_len}")

@@ -165,7 +165,7 @@ class DecoderModel:
         if self.embed_scale is not None:
             h = h * self.embed_scale
         if self.cpu_layers is not None and attention.ops is self.ops:  # not an FP8 cache's ops
-            self.cpu_layers.run(h, positions, attention, _mlp_rows(h, self.layers[0].mlp.width))
+            self.cpu_layers.forward(h, positions, attention, _mlp_rows(h, self.layers[0].mlp.width))
             return norm(h[sample_rows], None, self.norm, eps)  # [S, H]
         for i, layer in enumerate(self.layers):
             x = norm(h, None, layer.norm_in, eps)

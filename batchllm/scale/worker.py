@@ -1,5 +1,5 @@
 """One worker of a sharded job: loads the model once, runs shards with the single-process
-runtime (`Runtime.run`) and writes the same checkpoint parts, tagged with its worker number.
+runtime (`Runtime.run_rows`) and writes the same checkpoint parts, tagged with its worker number.
 
 A plain class: the driver makes it a Ray actor (`ray.remote(ShardWorker)`, two calls at a time),
 so this module does not import ray at import time. While a shard runs, the driver asks
@@ -89,7 +89,7 @@ class ShardWorker:
         start = time.perf_counter()
         self._writer = CheckpointWriter(self.cfg.output.path, self.fingerprint,
                                         flush_rows=self.flush_rows, tag=part_tag(shard.worker))
-        metrics = self.runtime.run(shard.rows, self._row, self._step, skip=shard.skip)
+        metrics = self.runtime.run_rows(shard.rows, self._row, self._step, skip=shard.skip)
         self._writer.flush()
         return WorkerResult(shard.worker, metrics, time.perf_counter() - start, os.getpid())
 

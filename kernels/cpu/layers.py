@@ -73,7 +73,7 @@ def kernels() -> Kernels | None:
     return Kernels(*(ctypes.cast(f, _p).value for f in fns))
 
 
-def run(shape: Shape, layers: ctypes.Array, step: Step) -> int:
+def run_layers(shape: Shape, layers: ctypes.Array, step: Step) -> int:
     """layers.c's cpu_layers over every layer of `layers`: -1, or the first layer whose rotary
     tables a position of the step lies outside of."""
     return load().cpu_layers(ctypes.byref(kernels()), ctypes.byref(shape), layers, len(layers),
