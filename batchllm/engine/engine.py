@@ -97,14 +97,15 @@ class Engine:
         node_logits: dict[int, torch.Tensor] = {}
         # prefixes whose last position's logits rows will sample their first token from
         terminal = set(np.flatnonzero(plan.node_terminal > 0).tolist())
-        kinds, ids = plan.item_kind.tolist(), plan.item_id.tolist()
+        kinds, ids = plan.item_kind, plan.item_id  # read as each item enters: no list of all
         cursor = 0
         window = self.max_num_seqs + 128
         while True:
             started = time.perf_counter()
             kernel_seconds = 0.0  # the forward's and the sampling kernels' share of this step
             while cursor < len(kinds) and len(sched.waiting) < window:
-                sched.add(self._request(kinds[cursor], ids[cursor], rows, plan, terminal))
+                sched.add(self._request(int(kinds[cursor]), int(ids[cursor]), rows, plan,
+                                        terminal))
                 cursor += 1
             if not sched.has_work:
                 break
