@@ -11,7 +11,8 @@
 #      (scripts/gpu_equivalence.py), then scripts/bench.py on both jobs: batchllm with CUDA
 #      graphs on and off, prefix sharing on and off; transformers `generate` in static batches
 #      and `generate_batch` (continuous batching) on the Qwen shape, on the first rows;
-#   3. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
+#   3. on a machine with two GPUs, tensor_parallel 2 (NCCL) on the Qwen shape against transformers;
+#   4. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
 # Stages run under a budget (GPU_CHECK_BUDGET seconds, 400): one that would not fit is skipped,
 # and said so. Exit non-zero on any failed test, mismatch, timeout or skip.
 # $OUT (the device tool's folder; a temp folder without it) gets three files, rewritten as each
@@ -162,8 +163,16 @@ main() {
             "$WORK/models/llama-3.1-8b" --prompts 4 --tokens 16 --kv-cache-memory 0.3
         bench llama-3.1-8b no_sharing 70 "" --sharing off --skip-hf
     fi
+    # tensor_parallel 2 (NCCL) against transformers, where the machine has two GPUs
+    if [ "$SMOKE" != 1 ] && [ "$("$PY" -c 'import torch; print(torch.cuda.device_count())')" -ge 2 ]; then
+        stage equivalence_qwen_tp2 60 "$PY" scripts/gpu_equivalence.py \
+            "$WORK/models/qwen2.5-0.5b" --tensor-parallel 2 --kv-cache-memory 0.3
+    else
+        echo "=== equivalence_qwen_tp2: not run (tensor_parallel 2 needs two CUDA devices)"
+        SUMMARY+=("equivalence_qwen_tp2 not run (one device or smoke)")
+    fi
 
-    # 3. the table, the goals, the mismatches
+    # 4. the table, the goals, the mismatches
     stage table 30 "$PY" scripts/gpu_table.py "${TABLE[@]}"
     echo "=== summary ($(( $(date +%s) - T0 ))s in all)"
     printf '  %s\n' "${SUMMARY[@]}"

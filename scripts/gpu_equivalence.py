@@ -3,9 +3,11 @@
 correctness run on the random-weight models. Exit 1 on any row that breaks the rule.
 
     python scripts/gpu_equivalence.py MODEL_FOLDER [--prompts 8] [--tokens 32] [--device cuda] [--kv-cache-memory 0.3]
+                                      [--tensor-parallel 2]
 
 transformers runs first, one prompt at a time on the device, and is freed before batchllm sizes
-its KV pool; batchllm runs every prompt in one generate (prefix sharing on, CUDA graphs on).
+its KV pool; batchllm runs every prompt in one generate (prefix sharing on, CUDA graphs on;
+with --tensor-parallel N the model split over cuda:0..N-1, NCCL, graphs off).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ def main() -> int:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--kv-cache-memory", default="0.3", help="a fraction (0.3) or bytes (an int)")
+    ap.add_argument("--tensor-parallel", type=int, default=1)
     args = ap.parse_args()
     from batchllm import LLM, SamplingParams
     from batchllm.model.hf_cache import load_config
@@ -59,7 +62,8 @@ def main() -> int:
                for i in range(args.prompts)]
     ref = reference(args.folder, prompts, args.tokens, args.device)
     kv = float(args.kv_cache_memory) if "." in args.kv_cache_memory else int(args.kv_cache_memory)
-    llm = LLM(str(args.folder), dtype="bfloat16", device=args.device, kv_cache_memory=kv)
+    llm = LLM(str(args.folder), dtype="bfloat16", device=args.device, kv_cache_memory=kv,
+              tensor_parallel=args.tensor_parallel)
     outs = llm.generate(prompts, SamplingParams(max_tokens=args.tokens, ignore_eos=True))
     failed, diverged = [], 0
     for i, (out, (tokens, logits)) in enumerate(zip(outs, ref)):
@@ -70,7 +74,7 @@ def main() -> int:
     name = args.folder.name
     for line in failed:
         print(f"MISMATCH {name}: {line}")
-    print(f"equivalence {name}: {len(prompts)} prompts x {args.tokens} tokens, bfloat16: "
+    print(f"equivalence {name} (tensor_parallel {args.tensor_parallel}): {len(prompts)} prompts x {args.tokens} tokens, bfloat16: "
           f"{len(prompts) - diverged - len(failed)} equal, {diverged} diverged at a near tie, "
           f"{len(failed)} broke the rule" + (" -> FAILED" if failed else " -> OK"))
     return 1 if failed else 0

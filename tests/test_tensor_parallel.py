@@ -230,3 +230,17 @@ def test_a_rank_exits_when_rank_0_is_killed(when: str) -> None:
     while _running(rank_1) and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not _running(rank_1), f"rank 1 (pid {rank_1}) still runs after rank 0 died"
+
+
+def test_a_cuda_rank_takes_its_own_device_or_says_which_is_missing() -> None:
+    """Each rank's weights on cuda:rank (two ranks on one GPU break NCCL); on the CPU the device
+    as asked; a rank beyond the visible GPUs named in one line."""
+    from batchllm.model.errors import ModelError
+    from batchllm.model.loader import rank_device
+
+    assert rank_device(torch.device("cpu"), 1) == torch.device("cpu")
+    if torch.cuda.device_count() > 1:
+        assert rank_device(torch.device("cuda"), 1) == torch.device("cuda", 1)
+    missing = torch.cuda.device_count()
+    with pytest.raises(ModelError, match=f"rank {missing} needs CUDA device {missing}"):
+        rank_device(torch.device("cuda"), missing)

@@ -57,6 +57,19 @@ def pick_device(device: str) -> torch.device:
     return torch.device(device)
 
 
+def rank_device(device: torch.device, rank: int) -> torch.device:
+    """A tensor-parallel rank's device: on CUDA the rank's own GPU of those visible (cuda:rank;
+    a Ray worker group sees its N devices as 0..N-1), made the current one before any weight is
+    placed, so that NCCL never finds two ranks on one GPU; elsewhere the device as asked."""
+    if device.type != "cuda":
+        return device
+    if rank >= torch.cuda.device_count():
+        raise ModelError(f"engine.tensor_parallel: rank {rank} needs CUDA device {rank}; "
+                         f"{torch.cuda.device_count()} visible")
+    torch.cuda.set_device(rank)
+    return torch.device("cuda", rank)
+
+
 def pick_dtype(dtype: str, device: torch.device) -> torch.dtype:
     if dtype == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -92,7 +105,7 @@ def load_model(
     """The model at `path` (resolve.resolve_model says what it may be), ready to run;
     quantization: None (as the checkpoint is) or "fp8" (its projections quantized at load);
     shard: (rank, ranks) for one rank's slice of it (model/tensor_parallel.py)."""
-    dev = pick_device(device)
+    dev = pick_device(device) if shard is None else rank_device(pick_device(device), shard[0])
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path, revision)
     describe(load_config(folder))  # an unsupported family fails before its weights are read
