@@ -268,6 +268,8 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
     with phases.timed("tokenize"):
         rows = build_table(runtime.tokenizer, cfg.input, cfg.sampling, source,
                            keep_prompt=cfg.output.include_prompt)
+    if source.prompts is not None:  # never read again (the table holds what it needs): ~110 B
+        source.prompts.clear()  # a row of a short prompt, held by the caller until the end
 
     def on_row(row) -> None:
         writer.add(row)  # a copy, written with the next part

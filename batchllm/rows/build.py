@@ -37,12 +37,13 @@ def row_sampling(defaults: SamplingConfig, overrides: dict[str, list], i: int) -
     return SamplingParams(**values)
 
 
-def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
-    """Per row position: plain prompt text, a conversation to render, or why it cannot run."""
-    errors: dict[int, str] = {}
+def _texts(cfg: InputConfig, rows: InputRows, positions: range,
+           errors: dict[int, str]) -> tuple[dict, dict]:
+    """Per row position of `positions`: plain prompt text, or a conversation to render; a row
+    that cannot run gets its reason in `errors`."""
     convs: dict[int, list[dict]] = {}
     plain: dict[int, str] = {}
-    for i in range(rows.num_rows):
+    for i in positions:
         if i in rows.errors:  # found invalid when read (an OpenAI Batch line, a bad cell)
             errors[i] = rows.errors[i]
             continue
@@ -50,7 +51,7 @@ def _texts(cfg: InputConfig, rows: InputRows) -> tuple[dict, dict, dict]:
             _text(cfg, rows, i, plain, convs, errors)
         except Exception as e:  # noqa: BLE001 - the guard of one row
             errors[i] = f"input: {type(e).__name__}: {e}"
-    return plain, convs, errors
+    return plain, convs
 
 
 def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
@@ -106,22 +107,56 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
 def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
                 first_index: int = 0, keep_prompt: bool = True) -> RowTable:
     """The input rows as a RowTable, in order; rows[i] gets index first_index + i (a block of a
-    larger input starts past 0). keep_prompt: keep the rendered text (output.include_prompt)."""
-    plain, convs, errors = _texts(cfg, rows)
+    larger input starts past 0). keep_prompt: keep the rendered text (output.include_prompt).
+    Rendered and tokenized _BATCH rows at a time: what a block makes (texts, one array per row)
+    is packed before the next, so that only the packed ids grow with the job."""
+    n = rows.num_rows
+    errors: dict[int, str] = {}
+    lengths = np.full(n, -1, np.int32)
+    blocks: list[np.ndarray] = []  # each block's ids, packed
+    kept: list[str | None] | None = [None] * n if keep_prompt else None
+    for lo in range(0, n, _BATCH):
+        ids, texts = _tokenized(tokenizer, cfg, rows, range(lo, min(n, lo + _BATCH)), errors)
+        for i, toks in ids.items():
+            lengths[i] = len(toks)
+        blocks.append(np.concatenate([ids[i] for i in sorted(ids)] or [np.zeros(0, np.int32)]))
+        if kept is not None:
+            for i, text in texts.items():
+                kept[i] = text
+    tokens = np.empty(int(np.maximum(lengths, 0).sum()), np.int32)
+    at = 0
+    while blocks:  # copied in and let go one at a time: one block beyond the result
+        block = blocks.pop(0)
+        tokens[at : at + len(block)] = block
+        at += len(block)
+    setting, settings = _settings(sampling, rows, errors)
+    starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
+    return RowTable(tokens, starts[:n], lengths, first_index + np.arange(n, dtype=np.int64),
+                    np.zeros(n, np.int32), setting, settings, rows.ids, errors, kept)
+
+
+def _tokenized(tokenizer, cfg: InputConfig, rows: InputRows, positions: range,
+               errors: dict[int, str]) -> tuple[dict[int, np.ndarray], dict[int, str]]:
+    """The token ids ({position: [L] int32}) and the prompt texts of the rows at `positions`
+    that can run; the others get their reason in `errors`."""
+    plain, convs = _texts(cfg, rows, positions, errors)
     rendered = _batched(lambda c: render_chats(tokenizer, c), convs, errors,
                         "input: the chat template failed on this row")
-    text = {**plain, **rendered}
     # special tokens (BOS) are added to plain prompts; a chat template writes its own
     failed = "input: the tokenizer failed on this row"
     ids = {**_batched(lambda t: tokenize(tokenizer, t, True), plain, errors, failed),
            **_batched(lambda t: tokenize(tokenizer, t, False), rendered, errors, failed)}
+    return ids, {**plain, **rendered}
+
+
+def _settings(sampling: SamplingConfig, rows: InputRows,
+              errors: dict[int, str]) -> tuple[np.ndarray, list[SamplingParams]]:
+    """Each row's settings ([N] int32 into the list of distinct SamplingParams): rows with the
+    same override cells share one object; a row whose cells are invalid gets its reason."""
     n = rows.num_rows
-    lengths = np.fromiter((len(ids[i]) if i in ids else -1 for i in range(n)), np.int32, n)
-    tokens = np.concatenate([ids[i] for i in range(n) if i in ids] or [np.zeros(0, np.int32)])
-    ids.clear()
     settings: list[SamplingParams] = []
     setting = np.zeros(n, np.int32)
-    distinct: dict[tuple, int] = {}  # rows with the same settings share one object
+    distinct: dict[tuple, int] = {}
     columns = list(rows.overrides.values())
     for i in range(n):
         try:
@@ -141,7 +176,4 @@ def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inp
             settings.append(SamplingParams())
             errors.setdefault(i, f"sampling override: {e}")
         setting[i] = k
-    starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
-    return RowTable(tokens, starts[:n], lengths, first_index + np.arange(n, dtype=np.int64),
-                    np.zeros(n, np.int32), setting, settings, rows.ids, errors,
-                    [text.get(i) for i in range(n)] if keep_prompt else None)
+    return setting, settings
