@@ -53,7 +53,8 @@ def run(
 
     started = process_started()
     from batchllm.config import load_job
-    from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job, write_error_log
+    from batchllm.error_log import write_error_log
+    from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job
 
     overrides = overrides or []
     cfg = None

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from batchllm.config import load_job
-from batchllm.job import write_error_log
+from batchllm.error_log import write_error_log
 from batchllm.rows.lock import OutputLock
 from batchllm.rows.prometheus import render
 from batchllm.rows.storage import WriteFailed, redact
