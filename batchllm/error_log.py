@@ -12,7 +12,7 @@ from pathlib import Path
 
 from batchllm.config import JobConfig
 from batchllm.rows import storage
-from batchllm.rows.storage import redact
+from batchllm.rows.redact import redact
 
 
 def write_error_log(cfg: JobConfig | None, error: BaseException) -> str:

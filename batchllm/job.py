@@ -30,8 +30,8 @@ from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
 from batchllm.rows.reader import InputRows, read_input
+from batchllm.rows.redact import redact
 from batchllm.rows.samples import whole_rows
-from batchllm.rows.storage import redact
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import require_ray

@@ -16,7 +16,8 @@ from batchllm.config import load_job
 from batchllm.error_log import write_error_log
 from batchllm.rows.lock import OutputLock
 from batchllm.rows.prometheus import render
-from batchllm.rows.storage import WriteFailed, redact
+from batchllm.rows.redact import redact
+from batchllm.rows.storage import WriteFailed
 from batchllm.rows.writer import write_metrics
 from batchllm.scale.cluster import actor_name
 
