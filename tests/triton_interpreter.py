@@ -15,7 +15,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from kernels.triton import _interpret_triton_library  # noqa: E402 - after TRITON_INTERPRET
+from kernels.triton import _interpret_triton_library  # after TRITON_INTERPRET is set
 
 _loaded: dict[str, object] = {}
 
