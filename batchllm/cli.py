@@ -22,7 +22,7 @@ _SET = typer.Option("--set", help="Override a job field: section.key=value (repe
 
 
 def _fail(message: str, code: int) -> None:
-    from batchllm.rows.storage import redact  # no URI's credentials in what is printed
+    from batchllm.rows.redact import redact  # no URI's credentials in what is printed
 
     print(redact(f"batchllm: error: {message}"), file=sys.stderr)
     raise typer.Exit(code)
@@ -53,7 +53,8 @@ def run(
 
     started = process_started()
     from batchllm.config import load_job
-    from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job, write_error_log
+    from batchllm.error_log import write_error_log
+    from batchllm.job import JobFailed, JobInterrupted, resume_command, run_job
 
     overrides = overrides or []
     cfg = None
@@ -70,7 +71,7 @@ def run(
     except Exception as e:  # noqa: BLE001 - the one place every unexpected failure ends
         log = write_error_log(cfg, e)
         if debug:
-            from batchllm.rows.storage import redact
+            from batchllm.rows.redact import redact
 
             print(redact("".join(traceback.format_exception(e))), end="", file=sys.stderr)
         what = str(e).replace("\n", " ")

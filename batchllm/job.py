@@ -13,11 +13,8 @@ import os
 import shlex
 import signal
 import sys
-import tempfile
 import threading
 import time
-import traceback
-from pathlib import Path
 
 from batchllm import collector
 from batchllm.config import ConfigError, JobConfig, load_job
@@ -33,8 +30,8 @@ from batchllm.rows.lock import OutputLock, OutputLocked
 from batchllm.rows.openai_results import write_results
 from batchllm.rows.prometheus import PrometheusFile
 from batchllm.rows.reader import InputRows, read_input
+from batchllm.rows.redact import redact
 from batchllm.rows.samples import whole_rows
-from batchllm.rows.storage import redact
 from batchllm.rows.writer import CheckpointWriter, write_metrics
 from batchllm.scale.assign import partitioned
 from batchllm.scale.cluster import require_ray
@@ -63,44 +60,6 @@ def resume_command(job: object, overrides: list[str] | tuple[str, ...] = ()) -> 
     keep = [o for o in overrides if not o.replace(" ", "").startswith("output.mode=")]
     sets = "".join(f" --set {shlex.quote(o)}" for o in [*keep, "output.mode=resume"])
     return f"batchllm run {shlex.quote(where)}{sets}"
-
-
-def write_error_log(cfg: JobConfig | None, error: BaseException) -> str:
-    """The full traceback of an unexpected failure, credentials redacted, in
-    "<output>.error.log", readable by its owner only; where that cannot be written (or without a
-    config), in a private folder (error_log_folder). Returns where it went."""
-    name = cfg.name if cfg else "?"
-    text = redact(f"batchllm run of job {name!r} failed at {time.strftime('%Y-%m-%d %H:%M:%S')}"
-                  f"\ncommand: {' '.join(sys.argv)}\n\n"
-                  + "".join(traceback.format_exception(error)))
-    data = text.encode()
-    try:
-        if cfg is None:
-            raise OSError("no output path")
-        path = cfg.output.path + ".error.log"
-        storage.makedirs(storage.dirname(path))
-        storage.write_atomic(path, lambda f: f.write(data), mode=0o600)
-    except OSError:
-        path = os.path.join(error_log_folder(), f"batchllm-{os.getpid()}.error.log")
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
-        with os.fdopen(fd, "wb") as f:
-            f.write(data)
-    return redact(path)
-
-
-def error_log_folder() -> str:
-    """A folder of this user's only, for error logs with nowhere else to go: $BATCHLLM_CACHE/logs
-    or ~/.cache/batchllm/logs (0700), else a new private folder in the temporary folder."""
-    try:
-        env = os.environ.get("BATCHLLM_CACHE")
-        folder = (Path(env).expanduser() if env else Path.home() / ".cache" / "batchllm") / "logs"
-        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
-        st = os.lstat(folder)
-        if os.path.isdir(folder) and st.st_uid == os.getuid() and not st.st_mode & 0o077:
-            return str(folder)
-    except (OSError, RuntimeError):  # RuntimeError: no home directory
-        pass
-    return tempfile.mkdtemp(prefix="batchllm-log-")
 
 
 def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str, ...] = (),
@@ -308,4 +267,4 @@ def _metadata(cfg: JobConfig) -> dict[str, str]:
 
 
 __all__ = ["ConfigError", "JobCannotStart", "JobFailed", "JobInterrupted", "exit_code",
-           "resume_command", "run_job", "write_error_log"]
+           "resume_command", "run_job"]

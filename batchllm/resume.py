@@ -26,6 +26,7 @@ from batchllm.rows.fingerprint import (
     model_files,
     numerics_changed,
 )
+from batchllm.rows.redact import redact
 from batchllm.rows.writer import FINGERPRINT_KEY, CheckpointWriter
 
 OVERWRITE_HINT = "use output.mode: overwrite (--set output.mode=overwrite) to start again"
@@ -109,6 +110,6 @@ def prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set | None:
                              f"resumed: {OVERWRITE_HINT}")
     done = writer.done_rows()
     for bad in writer.discarded:
-        print(storage.redact(f"batchllm: warning: {bad.path} {bad.why}; moved to "
+        print(redact(f"batchllm: warning: {bad.path} {bad.why}; moved to "
                              f"{bad.moved_to}; its rows run again"), file=sys.stderr)
     return done

@@ -48,6 +48,35 @@ def sync_folder(folder: str) -> None:
         os.close(fd)
 
 
+def _bits(mode: int | None) -> int:
+    return (_FILE_MODE & ~_umask()) if mode is None else mode
+
+
+@contextlib.contextmanager
+def _replacing(path: str | os.PathLike, bits: int, durable: bool) -> Iterator[tuple[int, str]]:
+    """A fresh temporary file beside `path` with permission `bits`: its descriptor and its name.
+    Closed and renamed over `path` when the block ends without an error (the folder synced if
+    durable); closed and removed otherwise."""
+    path = os.fspath(path)
+    folder, name = os.path.split(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
+    try:
+        os.fchmod(fd, bits)
+        yield fd, tmp
+        os.close(fd)
+        fd = -1
+        os.replace(tmp, path)
+        tmp = None
+        if durable:
+            sync_folder(folder)
+    finally:
+        if fd >= 0:
+            os.close(fd)
+        if tmp is not None:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+
 @contextlib.contextmanager
 def atomic_path(path: str | os.PathLike, mode: int | None = None,
                 durable: bool = True) -> Iterator[str]:
@@ -57,53 +86,21 @@ def atomic_path(path: str | os.PathLike, mode: int | None = None,
     mode: the file's permission bits, set again once the writer is done (a linker makes its
     output anew); default: 0o666 less the umask, as open() gives. durable: fsync the file and
     the folder (off for caches that may be lost)."""
-    path = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
-    bits = (_FILE_MODE & ~_umask()) if mode is None else mode
-    try:
-        os.fchmod(fd, bits)
-        os.close(fd)
-        fd = -1
+    bits = _bits(mode)
+    with _replacing(path, bits, durable) as (_, tmp):
         yield tmp
         os.chmod(tmp, bits)
         if durable:
             with open(tmp, "rb+") as f:
                 os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        if durable:
-            sync_folder(folder)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
 
 
 def write_atomic(path: str | os.PathLike, write: Callable[[IO[bytes]], None],
                  mode: int | None = None, durable: bool = True) -> None:
     """write(file) into `path`, whole or not at all (see the module docstring). The file object
     is a regular file opened for binary writing: it may seek and truncate."""
-    path = os.fspath(path)
-    folder, name = os.path.split(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{name}.tmp-", dir=folder)
-    try:
-        os.fchmod(fd, (_FILE_MODE & ~_umask()) if mode is None else mode)
-        with os.fdopen(fd, "wb") as f:
-            fd = -1
-            write(f)
-            f.flush()
-            if durable:
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
+    with _replacing(path, _bits(mode), durable) as (fd, _), open(fd, "wb", closefd=False) as f:
+        write(f)
+        f.flush()
         if durable:
-            sync_folder(folder)
-    finally:
-        if fd >= 0:
-            os.close(fd)
-        if tmp is not None:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
+            os.fsync(f.fileno())

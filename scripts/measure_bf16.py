@@ -25,18 +25,9 @@ sys.path[:0] = [str(ROOT), str(ROOT / "tests")]
 import numpy as np
 import torch
 from hf_reference import hf_model, tiny_model_folder
+from measure_fp8 import prompts
 
 from batchllm import LLM, SamplingParams
-
-
-def prompts(n: int, seed: int) -> list[list[int]]:
-    """Prompts of 8-60 random tokens, every third sharing a 20-token head with the one before."""
-    rng = np.random.default_rng(seed)
-    out = []
-    for i in range(n):
-        own = rng.integers(5, 4000, int(rng.integers(8, 60))).tolist()
-        out.append(out[-1][:20] + own if i % 3 == 2 else own)
-    return out
 
 
 @torch.no_grad()

@@ -37,7 +37,7 @@ import torch
 
 def prompts(n: int, seed: int) -> list[list[int]]:
     """Prompts of 8-60 random tokens, every third sharing a 20-token head with the one before
-    (scripts/measure_bf16.py's)."""
+    (scripts/measure_bf16.py's too)."""
     rng = np.random.default_rng(seed)
     out = []
     for i in range(n):

@@ -21,6 +21,19 @@ from hf_reference import TINY_KINDS, tiny_model_folder
 from hf_reference import smollm2_folder as _smollm2_folder
 
 
+@pytest.fixture(scope="module")
+def local_ray():
+    """One local Ray instance for a test module (tests/test_scale.py, test_scale_tp.py): 4
+    logical CPUs (2 cores here) for two workers of half-CPU actors or ranks and Ray's own
+    tasks; authentication off, as for any local test instance."""
+    ray = pytest.importorskip("ray")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv("RAY_AUTH_MODE", "disabled")
+        ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
+        yield
+        ray.shutdown()
+
+
 @pytest.fixture(scope="session")
 def smollm2_folder() -> Path:
     """resolve_model("smollm2-135m-instruct"): converted once from the GGUF, then cached."""

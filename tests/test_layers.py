@@ -17,7 +17,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Top to bottom. A module may import its own layer and any layer below it, never one above.
 LAYERS: list[tuple[str, ...]] = [
     ("batchllm", "batchllm.cli"),  # the package's lazy exports and the command line
-    ("batchllm.job", "batchllm.resume", "batchllm.plan_report", "batchllm.collector"),  # run, plan
+    ("batchllm.job", "batchllm.resume", "batchllm.plan_report", "batchllm.collector",
+     "batchllm.error_log"),  # run, plan; the error log of an unexpected failure
     ("batchllm.scale",),  # many workers: Ray
     ("batchllm.llm", "batchllm.progress"),  # the Python API; the progress line of a run
     ("batchllm.engine",),  # runtime, step loop, scheduler, pages, sampler

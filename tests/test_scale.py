@@ -51,21 +51,6 @@ def make_job(tmp: Path, name: str, workers: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray instance for the module: 4 logical CPUs (2 cores here) for two 0.5-CPU
-    workers and Ray's own tasks; authentication off, as for any local test instance."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = old
-
-
-@pytest.fixture(scope="module")
 def single_run(tmp_path_factory) -> tuple[pa.Table, dict]:
     tmp = tmp_path_factory.mktemp("single")
     metrics = run_job(make_job(tmp, "one", workers=1), progress=False)

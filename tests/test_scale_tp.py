@@ -36,20 +36,6 @@ def make_job(tmp: Path, name: str, workers: int, tensor_parallel: int) -> Path:
 
 
 @pytest.fixture(scope="module")
-def local_ray():
-    """One local Ray instance: 4 logical CPUs for two workers of two half-CPU ranks each."""
-    old = os.environ.get("RAY_AUTH_MODE")
-    os.environ["RAY_AUTH_MODE"] = "disabled"
-    ray.init(address="local", num_cpus=4, include_dashboard=False, log_to_driver=False)
-    yield
-    ray.shutdown()
-    if old is None:
-        os.environ.pop("RAY_AUTH_MODE", None)
-    else:
-        os.environ["RAY_AUTH_MODE"] = old
-
-
-@pytest.fixture(scope="module")
 def single(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("single")
     run_job(make_job(tmp, "one", workers=1, tensor_parallel=1), progress=False)

@@ -13,10 +13,11 @@ from pathlib import Path
 import pytest
 
 from batchllm.config import load_job
-from batchllm.job import write_error_log
+from batchllm.error_log import write_error_log
 from batchllm.rows.lock import OutputLock
 from batchllm.rows.prometheus import render
-from batchllm.rows.storage import WriteFailed, redact
+from batchllm.rows.redact import redact
+from batchllm.rows.storage import WriteFailed
 from batchllm.rows.writer import write_metrics
 from batchllm.scale.cluster import actor_name
 

@@ -15,21 +15,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-
-def _interpret_triton_library() -> None:
-    """Triton makes its own @jit library functions (tl.zeros, tl.max, tl.sum ...) at import; if
-    something imported triton before TRITON_INTERPRET=1 was set (transformers does, from
-    tests/conftest.py), remake them for the interpreter."""
-    import triton.language as tl
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(tl.zeros, InterpretedFunction):
-        return
-    standard = importlib.reload(sys.modules["triton.language.standard"])
-    for name, value in vars(standard).items():
-        if isinstance(value, InterpretedFunction) and hasattr(tl, name):
-            setattr(tl, name, value)
-
+from kernels.triton import _interpret_triton_library  # after TRITON_INTERPRET is set
 
 _loaded: dict[str, object] = {}
 

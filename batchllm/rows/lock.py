@@ -9,7 +9,7 @@ two different files.
 
 The lock file is opened with O_NOFOLLOW and must be a regular file: a symlink or a FIFO planted
 under its name in a shared output folder is refused (OSError), never followed. Its holder's
-command is recorded with the credentials of any URI in it redacted (storage.redact).
+command is recorded with the credentials of any URI in it redacted (rows/redact.py).
 
 Not covered: file systems whose locks do not reach other machines (NFS without lockd, some FUSE
 and SMB mounts). Object storage has no lock at all: for an s3:// (gs://, ...) output the lock is
@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Self
 
 from batchllm.rows import storage
+from batchllm.rows.redact import redact
 
 
 @dataclass(frozen=True)
@@ -117,7 +118,7 @@ class OutputLock:
             os.close(fd)  # the previous holder removed the file as we opened it: again
         holder = {"pid": os.getpid(), "host": socket.gethostname(),
                   "started": time.strftime("%Y-%m-%dT%H:%M:%S%z"),
-                  "command": storage.redact(" ".join(sys.argv))}
+                  "command": redact(" ".join(sys.argv))}
         os.ftruncate(fd, 0)
         os.pwrite(fd, json.dumps(holder).encode(), 0)
         self._fd = fd

@@ -18,6 +18,7 @@ import os
 import re
 
 from batchllm.rows import storage
+from batchllm.rows.redact import redact
 
 GAUGES: dict[str, str] = {  # name (without the prefix) -> help text
     "rows": "input rows of the job",
@@ -62,7 +63,7 @@ PREFIX = "batchllm_"
 
 
 def _label(value: str) -> str:
-    value = storage.redact(value)
+    value = redact(value)
     return value.replace("\\", "\\\\").replace("\n", "\\n").replace('"', '\\"')
 
 

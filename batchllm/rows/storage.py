@@ -3,7 +3,8 @@
 Object stores go through pyarrow.fs (S3, GCS, Azure); a scheme pyarrow lacks goes through fsspec
 (wrapped as a pyarrow file system). S3 credentials, region and endpoint come from the usual
 environment (AWS_ACCESS_KEY_ID, AWS_DEFAULT_REGION, AWS_ENDPOINT_URL, ...), or from the URI
-(s3://key:secret@bucket/...): `redact` takes them out of every text the job prints or records.
+(s3://key:secret@bucket/...): rows/redact.py takes them out of every text the job prints or
+records.
 
 Writes are whole or nothing (`write_atomic`): a local file through kernels/atomic_write.py (a
 temporary file under a fresh random name beside it, synced, renamed over `path`); an object
@@ -27,17 +28,10 @@ from functools import lru_cache
 from typing import IO, Any
 from urllib.parse import urlsplit
 
+from batchllm.rows.redact import redact
 from kernels.atomic_write import write_atomic as write_local
 
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
-# user:password@ of a URI anywhere in a text, and the values of query parameters that carry
-# secrets (S3 presigned URLs, Azure SAS tokens, ...)
-_USERINFO = re.compile(  # key:secret (the secret may hold a raw "/") or a lone token, then @
-    r"\b([a-zA-Z][a-zA-Z0-9+.-]*)://([^\s@'\"/:]+:[^\s@'\"]*|[^\s@'\"/:]+)@")
-_CONTAINER_AT_ACCOUNT = ("abfs", "abfss", "az", "wasb", "wasbs")  # container@account: no secret
-_SECRET_QUERY = re.compile(
-    r"([?&](?:x-amz-[a-z-]*|x-goog-[a-z-]*|sig|signature|token|access_token|secret|password|"
-    r"key|credential|sv|se|sp|st|skoid|sktid|skt|ske|sks|skv)=)[^&\s'\"]*", re.IGNORECASE)
 
 
 class WriteFailed(OSError):
@@ -51,20 +45,6 @@ class WriteFailed(OSError):
 
     def __str__(self) -> str:
         return redact(f"cannot write {self.path}: {self.reason}")
-
-
-def redact(text: str) -> str:
-    """`text` with the credentials of every URI in it replaced by ***
-    (s3://key:secret@bucket/x -> s3://***@bucket/x; ?X-Amz-Signature=... -> =***)."""
-    if "://" not in text:
-        return text
-
-    def userinfo(m: re.Match) -> str:
-        if m.group(1).lower() in _CONTAINER_AT_ACCOUNT and ":" not in m.group(2):
-            return m.group(0)
-        return f"{m.group(1)}://***@"
-
-    return _SECRET_QUERY.sub(r"\1***", _USERINFO.sub(userinfo, text))
 
 
 def is_remote(path: str) -> bool:

@@ -37,6 +37,7 @@ from batchllm.rows import storage
 from batchllm.rows.fingerprint import canonical, differences, identity, loads, numerics_changed
 from batchllm.rows.merge import GROUP_BYTES, KEYS, FinalWriter, Part, merge_parts, write_parquet
 from batchllm.rows.record import Row
+from batchllm.rows.redact import redact
 from batchllm.rows.samples import SAMPLE_FIELDS, done_keys, sample_values
 
 FINGERPRINT_KEY = b"batchllm.fingerprint"
@@ -290,6 +291,6 @@ def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> st
     """Write metrics as JSON to "<output>.metrics.json" atomically; returns that path.
     Non-finite floats become null (JSON has no NaN)."""
     path = os.fspath(output_path) + ".metrics.json"
-    text = storage.redact(json.dumps(_finite(metrics), indent=2, default=str))
+    text = redact(json.dumps(_finite(metrics), indent=2, default=str))
     storage.write_text(path, text + "\n")
     return path

@@ -30,7 +30,8 @@ import threading
 from collections.abc import Iterator
 
 from batchllm.config import ConfigError, JobConfig
-from batchllm.rows.storage import absolute, redact
+from batchllm.rows.redact import redact
+from batchllm.rows.storage import absolute
 
 # A worker on a CPU-only cluster takes half a logical CPU: whole-CPU actors on a small machine
 # leave nothing for Ray's own tasks (seen on 2 cores: ray.init(num_cpus=2) with two 1-CPU actors
