@@ -232,16 +232,19 @@ class Engine:
         maybe = slots.checked[idx] | (generated >= slots.max_tokens[idx])
         maybe |= slots.num_prompt[idx] + generated >= self.max_model_len
         maybe |= slots.eos_stops[idx] & np.isin(np.asarray(tokens, dtype=np.int64), self._eos)
+        maybe_seqs = [seqs[i] for i in np.flatnonzero(maybe).tolist()]
+        broken = [seq.matcher is not None and not seq.matcher.consume_token(seq.token_ids[-1])
+                  for seq in maybe_seqs]
+        stopped = self.stopper.check_many([s for s, b in zip(maybe_seqs, broken) if not b])
+        stopped.reverse()
         done = []
-        for i in np.flatnonzero(maybe).tolist():
-            seq, tok = seqs[i], tokens[i]
-            broken = seq.matcher is not None and not seq.matcher.consume_token(tok)
-            if not (broken or self.stopper.check(seq)):
+        for seq, bad in zip(maybe_seqs, broken):
+            if not bad and not stopped.pop():
                 continue
             done.append(seq)
             stats.rows_done += 1
             row = rows[seq.key]
-            if broken:  # cannot happen with the mask applied; an error row, not a crash
+            if bad:  # cannot happen with the mask applied; an error row, not a crash
                 row.fail(f"structured output: {seq.matcher.get_error()}")
             else:
                 row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
