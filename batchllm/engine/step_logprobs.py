@@ -25,16 +25,20 @@ class StepLogprobs:
                  ) -> None:
         self.tokens = tokens
         self.chosen, self.top_lp, self.top_id = chosen, top_lp, top_id
-        self._lists: tuple[list, list, list] | None = None
+        self._lists: tuple[list, list, list, bool] | None = None
 
     def record(self, i: int, k: int) -> TokenLogprob:
         """Row i's record with its top k; alternatives the mask forbids (-inf) left out."""
         if self._lists is None:
-            self._lists = (self.chosen.tolist(), self.top_id.tolist(), self.top_lp.tolist())
-        chosen, top_id, top_lp = self._lists
-        ids, vals = top_id[i], top_lp[i]
-        return TokenLogprob(self.tokens[i], chosen[i],
-                            [(t, v) for t, v in zip(ids[:k], vals[:k]) if v != _NINF])
+            masked = bool(torch.isinf(self.top_lp).any())  # else no alternative is dropped
+            self._lists = (self.chosen.tolist(), self.top_id.tolist(), self.top_lp.tolist(),
+                           masked)
+        chosen, top_id, top_lp, masked = self._lists
+        if masked:
+            top = [(t, v) for t, v in zip(top_id[i][:k], top_lp[i][:k]) if v != _NINF]
+        else:
+            top = list(zip(top_id[i][:k], top_lp[i][:k]))
+        return TokenLogprob(self.tokens[i], chosen[i], top)
 
 
 def records(entries: list[tuple[StepLogprobs, int]] | None, k: int) -> list[TokenLogprob] | None:
