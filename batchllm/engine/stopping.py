@@ -70,7 +70,7 @@ class StopChecker:
         """check() of each sequence, the decodes of those with stop strings in one batch (one
         call into the tokenizer a step, not two per row)."""
         done = [False] * len(seqs)
-        scanning = []  # (index, sequence, its scan, its output)
+        scanning = []  # (index, sequence, its scan, its output's length)
         for i, seq in enumerate(seqs):
             sp = seq.sampling
             eos = not sp.ignore_eos and seq.token_ids[-1] in self.eos_ids
@@ -78,21 +78,22 @@ class StopChecker:
                 seq.finish_reason = "stop"
                 done[i] = True
             elif sp.stop:
-                out = seq.output_ids
-                scanning.append((i, seq, self._scan(seq, out), out))
+                n = len(seq.token_ids) - seq.num_prompt_tokens  # no copy of the output
+                scanning.append((i, seq, self._scan(seq, n), n))
             else:
                 done[i] = self._length(seq)
         if not scanning:
             return done
         batch = []
-        for _, _, scan, out in scanning:
+        for _, seq, scan, _ in scanning:
+            ids, at = seq.token_ids, seq.num_prompt_tokens + scan.prefix
             if scan.read > scan.prefix:
-                batch.append(out[scan.prefix : scan.read])
-            batch.append(out[scan.prefix :])
+                batch.append(ids[at : at + scan.read - scan.prefix])
+            batch.append(ids[at:])
         texts = iter(self.decode_many(batch))
-        for i, seq, scan, out in scanning:
+        for i, seq, scan, n in scanning:
             before = next(texts) if scan.read > scan.prefix else ""
-            text = self._stop_text(seq, scan, out, before, next(texts))
+            text = self._stop_text(seq, scan, n, before, next(texts))
             if text is not None:
                 seq.text = text
                 seq.finish_reason = "stop"
@@ -112,21 +113,22 @@ class StopChecker:
         self._scans.pop(id(seq), None)
         return seq.text if seq.text is not None else self.decode(seq.output_ids)
 
-    def _scan(self, seq: Request, out: list[int]) -> _Scan:
+    def _scan(self, seq: Request, n: int) -> _Scan:
+        """The row's scan; n: its output's length."""
         key = id(seq)
         hit = self._scans.get(key)
-        if hit is not None and hit[0]() is seq and hit[1].read <= len(out):
+        if hit is not None and hit[0]() is seq and hit[1].read <= n:
             return hit[1]
         scan = _Scan()  # a sequence seen first (or its output replaced): decoded from the start
         self._scans[key] = (weakref.ref(seq, lambda _, k=key: self._scans.pop(k, None)), scan)
         return scan
 
-    def _stop_text(self, seq: Request, scan: _Scan, out: list[int], before: str,
+    def _stop_text(self, seq: Request, scan: _Scan, n: int, before: str,
                    text: str) -> str | None:
         """The row's text before the first stop string, when one ends in this step's new text;
-        else None. before, text: the decodes of out[scan.prefix:scan.read] and of
-        out[scan.prefix:]."""
-        new, done = self._new_text(scan, out, before, text)
+        else None. n: the output's length; before, text: the decodes of output tokens
+        [scan.prefix, scan.read) and [scan.prefix, n)."""
+        new, done = self._new_text(scan, n, before, text)
         window = scan.tail + new
         self.scanned_chars = len(window)
         hits = [i for i in (window.find(s) for s in seq.sampling.stop) if i >= 0]
@@ -140,13 +142,13 @@ class StopChecker:
             scan.tail = window[max(len(window) - longest + 1, 0):]
         return None
 
-    def _new_text(self, scan: _Scan, out: list[int], before: str, text: str
+    def _new_text(self, scan: _Scan, n: int, before: str, text: str
                   ) -> tuple[str, bool]:
-        """(the text that out[scan.read:] adds, whether it is final: the scan advances past
+        """(the text that output tokens [scan.read, n) add, whether it is final: the scan advances past
         those tokens). Not final while it ends inside a character, for up to _MAX_WAIT tokens."""
-        self.decoded_tokens = 2 * (scan.read - scan.prefix) + len(out) - scan.read
+        self.decoded_tokens = 2 * (scan.read - scan.prefix) + n - scan.read
         new = text[len(before):]
-        if (not new or new.endswith("\ufffd")) and len(out) - scan.read < _MAX_WAIT:
+        if (not new or new.endswith("\ufffd")) and n - scan.read < _MAX_WAIT:
             return new, False
-        scan.prefix, scan.read = scan.read, len(out)
+        scan.prefix, scan.read = scan.read, n
         return new, True
