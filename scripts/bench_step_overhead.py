@@ -13,6 +13,8 @@ step_host_seconds / steps where the engine reports it, else (wall - forward) / s
 whole `generate` (planning included) and, inside it, the model's forward (`hidden`, then the
 lm_head as `greedy` or `logits`); the difference divided by the steps is the loop's own cost:
 scheduling, the step's inputs and metadata, sampling, stopping. The best of --repeat runs.
+--clock thread times everything in the main thread's CPU time instead of the wall clock: on a
+machine other jobs load, it leaves out the time the process waited for a core.
 """
 
 from __future__ import annotations
