@@ -231,7 +231,8 @@ class Engine:
         slots.generated[idx] = generated
         maybe = slots.checked[idx] | (generated >= slots.max_tokens[idx])
         maybe |= slots.num_prompt[idx] + generated >= self.max_model_len
-        maybe |= slots.eos_stops[idx] & np.isin(np.asarray(tokens, dtype=np.int64), self._eos)
+        eos = (np.asarray(tokens, dtype=np.int64)[:, None] == self._eos).any(axis=1)  # [S]
+        maybe |= slots.eos_stops[idx] & eos  # (np.isin costs ~0.1 ms a call)
         maybe_seqs = [seqs[i] for i in np.flatnonzero(maybe).tolist()]
         broken = [seq.matcher is not None and not seq.matcher.consume_token(seq.token_ids[-1])
                   for seq in maybe_seqs]
