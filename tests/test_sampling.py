@@ -8,7 +8,7 @@ import torch
 from hf_reference import tiny_model_folder
 
 from batchllm import LLM, SamplingParams
-from batchllm.engine.sampler import filtered_probs, row_key, sample, uniform
+from batchllm.engine.sampler import filtered_probs, row_key, sample, uniform, uniforms
 from batchllm.rows.record import Row
 
 
@@ -132,3 +132,11 @@ def test_bad_sampling_and_too_long_prompts_become_error_rows(llm: LLM) -> None:
     assert [o.finish_reason for o in outs] == ["length", "error", "error", "length"]
     assert "tokens" in outs[1].error and "max_model_len" in outs[1].error
     assert "temperature" in outs[2].error
+
+
+def test_vectorised_uniforms_are_the_scalar_ones_bit_for_bit() -> None:
+    """sampler.uniforms (the engine's draws, over a step's rows at once) equals uniform."""
+    keys = [row_key(s, f"r{i}", i % 3) for s in range(4) for i in range(50)] + [0, (1 << 64) - 1]
+    counters = [(i * 7919) % 100_003 for i in range(len(keys))]
+    got = uniforms(np.array(keys, dtype=np.uint64), np.array(counters, dtype=np.int64))
+    assert got.tolist() == [uniform(k, c) for k, c in zip(keys, counters)]

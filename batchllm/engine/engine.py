@@ -17,9 +17,11 @@ from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
+from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.runner import ModelRunner
 from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
 from batchllm.engine.scheduler import Scheduler
+from batchllm.engine.step_logprobs import records
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import FP8, PagedAttention
 from batchllm.model.attention import kv_cache_dtype as kv_cache_dtype_of
@@ -80,6 +82,9 @@ class Engine:
         self.grammars = Grammars(loaded.tokenizer, loaded.eos_ids, shape.vocab_size)
         self.num_pages = num_pages
         self.bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
+        self.max_model_len = max_model_len
+        self._eos = np.array(sorted(loaded.eos_ids), dtype=np.int64)
+        self.slots = RowSlots()  # made anew by each generate
 
     def generate(
         self,
@@ -91,6 +96,7 @@ class Engine:
         """Runs every item of the plan; `rows[k]` is the plan's row k. Each row gets its result
         and goes to on_row the moment it finishes."""
         pool = PagePool(self.num_pages)
+        self.slots = RowSlots(2 * self.max_num_seqs + 256)  # running and waiting rows
         users = {int(n): int(c) for n, c in enumerate(plan.node_users)}
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
@@ -119,8 +125,8 @@ class Engine:
             out = None
             if step.seqs:
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
-                greedy = not step.from_prefix and all(
-                    greedy_only(s) for s, w in zip(step.seqs, wants) if w)
+                greedy = not step.from_prefix and bool(self.slots.greedy[
+                    np.fromiter((s.slot for s, w in zip(step.seqs, wants) if w), np.int64)].all())
                 out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
@@ -171,60 +177,81 @@ class Engine:
                 wants_logits=key in terminal,
             )
         r = rows[key]
-        return Request(
+        seq = Request(
             Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
             parent=int(plan.row_parent[key]), sampling=r.sampling,
             rng_key=row_key(r.sampling.seed, r.id, r.sample),
             matcher=self.grammars.matcher(r.sampling),
             logprobs=[] if r.wants_logprobs else None,
         )
+        seq.slot = self.slots.take(seq.num_prompt_tokens, r.sampling, seq.rng_key,
+                                   seq.matcher is not None, greedy_only(seq))
+        return seq
 
     def _sample(self, logits, seqs: list[Request], sched, rows: list[Row], on_row,
                 stats) -> float:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
         output: masked in place). Unconstrained rows without logprobs take the plain path.
-        Returns the seconds spent in the sampling kernel (the draws; the log-probabilities'
-        records are host work)."""
-        sp = [s.sampling for s in seqs]
-        constrained = [i for i, s in enumerate(seqs) if s.matcher is not None]
+        Returns the seconds spent in the sampling kernels (the draws and the
+        log-probabilities)."""
+        slots = self.slots
+        idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))  # [S]
+        constrained = np.flatnonzero(slots.constrained[idx]).tolist()
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
             # fill overlaps the forward still in flight
             masks = self.grammars.bitmask([seqs[i].matcher for i in constrained])
             self.grammars.apply(logits, constrained, masks)
-        temperature = [p.temperature for p in sp]
+        temperature = slots.temperature[idx]
         started = time.perf_counter()
-        tokens = sample(
-            logits,
-            temperature,
-            [p.top_k for p in sp],
-            [p.top_p for p in sp],
-            [s.rng_key for s in seqs],
-            [len(s.output_ids) for s in seqs],
-        )
+        tokens = sample(logits, temperature, slots.top_k[idx], slots.top_p[idx], slots.key[idx],
+                        slots.generated[idx])
+        k = slots.logprobs[idx]
+        scored = np.flatnonzero(k)
+        if len(scored):  # tensors; each row's records are made when it finishes
+            every = len(scored) == len(seqs)
+            got = token_logprobs(logits if every else logits[torch.from_numpy(scored)],
+                                 temperature[scored], [tokens[i] for i in scored], k[scored])
+            for j, i in enumerate(scored.tolist()):
+                seqs[i].logprobs.append((got, j))
         kernel_seconds = time.perf_counter() - started
-        scored = [i for i, s in enumerate(seqs) if s.logprobs is not None]
-        if scored:  # host time: it builds Python records per token (issue 28 item 2)
-            lps = token_logprobs(logits[scored], [temperature[i] for i in scored],
-                                 [tokens[i] for i in scored], [sp[i].logprobs for i in scored])
-            for i, lp in zip(scored, lps):
-                seqs[i].logprobs.append(lp)
-        self._advance(seqs, tokens, sched, rows, on_row, stats)
+        self._advance(seqs, tokens, sched, rows, on_row, stats, idx)
         return kernel_seconds
 
     def _advance(self, seqs: list[Request], tokens: list[int], sched, rows: list[Row], on_row,
-                 stats) -> None:
-        """Each sequence takes its new token; the finished ones go to on_row."""
+                 stats, idx: np.ndarray | None = None) -> None:
+        """Each sequence takes its new token; the finished ones go to on_row. idx [S]: their
+        slots. Only the rows a token may stop (end of sequence, a length limit, stop strings or
+        a grammar) go through the stop checker, found from the slots' arrays."""
+        slots = self.slots
+        if idx is None:
+            idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
         for seq, tok in zip(seqs, tokens):
             seq.token_ids.append(tok)
-            stats.completion_tokens += 1
-            broken = seq.matcher is not None and not seq.matcher.consume_token(tok)
-            if broken or self.stopper.check(seq):
-                sched.finish(seq)
-                stats.rows_done += 1
-                row = rows[seq.key]
-                if broken:  # cannot happen with the mask applied; an error row, not a crash
-                    row.fail(f"structured output: {seq.matcher.get_error()}")
-                else:
-                    row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
-                               seq.cached_tokens, seq.logprobs)
-                on_row(row)
+        stats.completion_tokens += len(seqs)
+        generated = slots.generated[idx] + 1  # [S]
+        slots.generated[idx] = generated
+        maybe = slots.checked[idx] | (generated >= slots.max_tokens[idx])
+        maybe |= slots.num_prompt[idx] + generated >= self.max_model_len
+        eos = (np.asarray(tokens, dtype=np.int64)[:, None] == self._eos).any(axis=1)  # [S]
+        maybe |= slots.eos_stops[idx] & eos  # (np.isin costs ~0.1 ms a call)
+        maybe_seqs = [seqs[i] for i in np.flatnonzero(maybe).tolist()]
+        broken = [seq.matcher is not None and not seq.matcher.consume_token(seq.token_ids[-1])
+                  for seq in maybe_seqs]
+        stopped = self.stopper.check_many([s for s, b in zip(maybe_seqs, broken) if not b])
+        stopped.reverse()
+        done = []
+        for seq, bad in zip(maybe_seqs, broken):
+            if not bad and not stopped.pop():
+                continue
+            done.append(seq)
+            stats.rows_done += 1
+            row = rows[seq.key]
+            if bad:  # cannot happen with the mask applied; an error row, not a crash
+                row.fail(f"structured output: {seq.matcher.get_error()}")
+            else:
+                row.finish(seq.output_ids, self.stopper.final_text(seq), seq.finish_reason,
+                           seq.cached_tokens, records(seq.logprobs, seq.sampling.logprobs))
+            on_row(row)
+        sched.finish_many(done)
+        for seq in done:
+            slots.give_back(seq.slot)

@@ -17,7 +17,7 @@ class Kind(Enum):
     PREFIX = "prefix"  # a shared prefix node: prefill only, its pages outlive it
 
 
-@dataclass
+@dataclass(eq=False)  # compared by identity: `running.remove` must not compare fields
 class Request:
     kind: Kind
     key: int  # row index for rows, node id for prefixes
@@ -27,7 +27,8 @@ class Request:
     sampling: SamplingParams | None = None
     rng_key: int = 0  # per-sample generator key, from the job seed, the row id and the sample
     matcher: object | None = None  # structured output: the row's llguidance matcher
-    logprobs: list | None = None  # [TokenLogprob] per generated token, when asked for
+    logprobs: list | None = None  # per generated token (StepLogprobs, index), when asked for
+    slot: int = 0  # its settings and counters in the engine's RowSlots (0: a shared prefix)
     computed: int = 0
     pages: list[int] = field(default_factory=list)
     num_borrowed_pages: int = 0  # leading pages shared from the parent (not written by us)

@@ -12,6 +12,7 @@ The engine picks one (engine.py `make_runner`).
 from __future__ import annotations
 
 import time
+from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
@@ -21,6 +22,18 @@ from batchllm.engine.request import Request
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.model.attention import PagedAttention, StepMetadata
 from batchllm.model.decoder import DecoderModel
+
+
+def page_table(seqs: list[Request]) -> np.ndarray:
+    """[B, max pages] int32: row b holds seqs[b].pages, zeros after. One flat pass over the
+    pages (itertools.chain), then a scatter: no numpy call per row."""
+    lengths = np.array([len(s.pages) for s in seqs], dtype=np.int64)  # [B]
+    table = np.zeros((len(seqs), int(lengths.max()) if len(seqs) else 0), dtype=np.int32)
+    flat = np.fromiter(chain.from_iterable(s.pages for s in seqs), np.int32, int(lengths.sum()))
+    starts = np.cumsum(lengths) - lengths  # [B]
+    rows = np.repeat(np.arange(len(seqs)), lengths)
+    table[rows, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
+    return table
 
 
 class StepOutput(NamedTuple):
@@ -55,9 +68,7 @@ class ModelRunner:
         return instead of the logits (StepOutput.tokens)."""
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         dev = self.device
-        table = np.zeros((len(batch.seqs), batch.max_pages), dtype=np.int32)
-        for row, seq in enumerate(batch.seqs):
-            table[row, : len(seq.pages)] = seq.pages
+        table = page_table(batch.seqs)  # [B, max_pages] int32
         meta = StepMetadata(
             slot_mapping=torch.from_numpy(batch.slots).to(dev),
             page_table=torch.from_numpy(table).to(dev),

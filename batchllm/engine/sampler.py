@@ -9,13 +9,17 @@ preemption.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from batchllm.engine.request import Kind, Request
-from batchllm.rows.record import TokenLogprob
+from batchllm.engine.step_logprobs import StepLogprobs
 
 _MASK64 = (1 << 64) - 1
+_GOLDEN, _MIX1, _MIX2 = (np.uint64(c) for c in (0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9,
+                                                 0x94D049BB133111EB))
 
 
 def row_key(seed: int, row_id: object, sample: int = 0) -> int:
@@ -61,64 +65,75 @@ def filtered_probs(
     return probs.masked_fill(drop, 0.0), ids
 
 
+def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
+    """`uniform` of each (key, counter), vectorised: keys [R] uint64, counters [R] int ->
+    [R] float64, bit for bit the same values (uint64 arithmetic wraps mod 2^64 as the masks
+    do; z >> 11 < 2^53 converts to float64 exactly)."""
+    z = keys.astype(np.uint64) + (counters.astype(np.uint64) + np.uint64(1)) * _GOLDEN
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    z ^= z >> np.uint64(31)
+    return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
+
+
 def sample(
     logits: torch.Tensor,  # [S, V] fp32
-    temperature: list[float],
-    top_k: list[int],
-    top_p: list[float],
-    keys: list[int],
-    counters: list[int],
+    temperature: Sequence[float] | np.ndarray,  # [S]
+    top_k: Sequence[int] | np.ndarray,  # [S]
+    top_p: Sequence[float] | np.ndarray,  # [S]
+    keys: Sequence[int] | np.ndarray,  # [S] uint64
+    counters: Sequence[int] | np.ndarray,  # [S]: tokens the row generated so far
 ) -> list[int]:
     """One token per row: argmax where temperature is 0, else an inverse-CDF draw: over the
     distribution in token-id order when the row sets neither top-k nor top-p (no sort of the
     vocabulary: at 64 rows x 49,152 tokens the sort took ~0.16 s a step on 2 cores, two thirds
-    of a sampled job's time), else over the filtered distribution sorted by probability."""
-    out = logits.argmax(dim=-1).tolist()
+    of a sampled job's time), else over the filtered distribution sorted by probability.
+    The settings come as arrays (engine/row_slots.py); lists work too."""
+    temperature = np.asarray(temperature, dtype=np.float64)
+    top_k = np.asarray(top_k, dtype=np.int64)
+    top_p = np.asarray(top_p, dtype=np.float64)
+    out = logits.argmax(dim=-1)  # [S] int64
     vocab = logits.shape[1]
-    rand = [i for i, t in enumerate(temperature) if t > 0]
-    plain = [i for i in rand if (top_k[i] <= 0 or top_k[i] >= vocab) and top_p[i] >= 1]
-    unfiltered = set(plain)
-    filtered = [i for i in rand if i not in unfiltered]
+    rand = temperature > 0
+    if not rand.any():
+        return out.tolist()
+    plain = rand & ((top_k <= 0) | (top_k >= vocab)) & (top_p >= 1)
     dev = logits.device
-    for group, sort in ((plain, False), (filtered, True)):
-        if not group:
+    keys = np.asarray(keys, dtype=np.uint64)
+    counters = np.asarray(counters, dtype=np.int64)
+    for mask, sort in ((plain, False), (rand & ~plain, True)):
+        group = np.flatnonzero(mask)
+        if not len(group):
             continue
-        idx = torch.tensor(group, device=dev)
-        t = torch.tensor([temperature[i] for i in group], device=dev)
+        idx = torch.from_numpy(group).to(dev)
+        t = torch.from_numpy(temperature[group].astype(np.float32)).to(dev)
         if sort:
-            probs, ids = filtered_probs(logits[idx], t,
-                                        torch.tensor([top_k[i] for i in group], device=dev),
-                                        torch.tensor([top_p[i] for i in group], device=dev))
+            probs, ids = filtered_probs(logits[idx], t, torch.from_numpy(top_k[group]).to(dev),
+                                        torch.from_numpy(top_p[group].astype(np.float32)).to(dev))
         else:
             probs, ids = torch.softmax(logits[idx] / t[:, None], dim=-1), None  # [R, V]
         cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
-        u = torch.tensor([uniform(keys[i], counters[i]) for i in group], dtype=torch.float64,
-                         device=dev)
+        u = torch.from_numpy(uniforms(keys[group], counters[group])).to(dev)  # [R] fp64
         pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
             max=vocab - 1)  # [R, 1]
-        chosen = (pick if ids is None else ids.gather(1, pick))[:, 0].tolist()
-        for i, tok in zip(group, chosen):
-            out[i] = tok
-    return out
+        out[idx] = (pick if ids is None else ids.gather(1, pick))[:, 0]
+    return out.tolist()
 
 
 def token_logprobs(
     logits: torch.Tensor,  # [R, V] fp32, after the structured-output mask
-    temperature: list[float],
-    tokens: list[int],
-    k: list[int],
-) -> list[TokenLogprob]:
+    temperature: Sequence[float] | np.ndarray,  # [R]
+    tokens: list[int],  # [R] the chosen tokens
+    k: Sequence[int] | np.ndarray,  # [R] top alternatives each row asks for
+) -> StepLogprobs:
     """Each row's chosen token and its top-k under log_softmax(logits / temperature), where
     greedy rows use temperature 1 (the model's own distribution). Before top-k/top-p: those
-    truncate the draw, and would make every logprob 0 or -inf under top_k 1. Alternatives the
-    mask forbids (-inf) are left out of `top`."""
+    truncate the draw, and would make every logprob 0 or -inf under top_k 1. Left as tensors
+    (step_logprobs.py); alternatives the mask forbids (-inf) are left out of a record's `top`."""
     dev = logits.device
-    t = torch.tensor([x if x > 0 else 1.0 for x in temperature], device=dev)
+    temperature = np.asarray(temperature, dtype=np.float64)
+    t = torch.from_numpy(np.where(temperature > 0, temperature, 1.0).astype(np.float32)).to(dev)
     lp = torch.log_softmax(logits / t[:, None], dim=-1)  # [R, V]
-    chosen = lp.gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0].tolist()
-    top_lp, top_id = (x.tolist() for x in lp.topk(max(k), dim=-1))  # [R, kmax] each
-    ninf = float("-inf")
-    return [
-        TokenLogprob(tok, c, [(i, v) for i, v in zip(ids[:kr], vals[:kr]) if v != ninf])
-        for tok, c, ids, vals, kr in zip(tokens, chosen, top_id, top_lp, k)
-    ]
+    chosen = lp.gather(1, torch.tensor(tokens, device=dev)[:, None])[:, 0]  # [R]
+    top_lp, top_id = lp.topk(int(np.max(k)), dim=-1)  # [R, kmax] each
+    return StepLogprobs(tokens, chosen, top_lp, top_id)

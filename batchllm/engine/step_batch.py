@@ -78,43 +78,57 @@ def cascade_order(seqs: list[Request]) -> tuple[list[int], list[tuple[list[int],
 
 def build_batch(seqs: list[Request], counts: list[int], wants_logits: list[bool],
                 page_size: int, cascade: bool) -> StepBatch:
-    """The step's flat inputs: `counts[i]` tokens of `seqs[i]` from its computed position on."""
+    """The step's flat inputs: `counts[i]` tokens of `seqs[i]` from its computed position on.
+    Per row only what a list comprehension does (its computed count, its token, its slot);
+    the rest over arrays."""
     ps = page_size
-    order, found = cascade_order(seqs) if cascade else (list(range(len(seqs))), [])
-    shared_of = {i: shared for members, shared in found for i in members}
-    ids: list = []
-    pos: list = []
-    slots: list = []
-    cu_q, ctx, kv_start, sample_rows, sampled = [0], [], [], [], []
-    prefill = 0
-    for i in order:
-        seq, n = seqs[i], counts[i]
-        lo, hi = seq.computed, seq.computed + n
-        if n == 1:  # a decode, or a chunk's last token: no numpy round trip
-            ids.append(seq.token_ids[lo])
-            pos.append(lo)
-            slots.append(seq.pages[lo // ps] * ps + lo % ps)
-        else:
-            p = np.arange(lo, hi)
-            ids.extend(seq.token_ids[lo:hi])
-            pos.extend(p.tolist())
-            slots.extend((np.asarray(seq.pages, dtype=np.int64)[p // ps] * ps + p % ps).tolist())
-        cu_q.append(cu_q[-1] + n)
-        ctx.append(hi)
-        kv_start.append(shared_of.get(i, 0) * ps)
-        prefill += max(0, min(hi, seq.num_prompt_tokens) - lo)
-        if wants_logits[i]:
-            sample_rows.append(cu_q[-1] - 1)
-            sampled.append(seq)
-    groups, lo = [], 0
-    for members, shared in found:
-        groups.append(Group(lo, lo + len(members), shared))
-        lo += len(members)
+    order, found = cascade_order(seqs) if cascade else (None, [])
+    if order is not None:
+        seqs, counts, wants_logits = ([x[i] for i in order]
+                                      for x in (seqs, counts, wants_logits))
+    b = len(seqs)
+    lo_list = [s.computed for s in seqs]
+    lo = np.array(lo_list, dtype=np.int64)  # [B]
+    n = np.array(counts, dtype=np.int64)  # [B]
+    hi = lo + n
+    cu_q = np.zeros(b + 1, dtype=np.int32)
+    np.cumsum(n, out=cu_q[1:])
+    if b and int(n.max()) == 1:  # a decode step (or chunks' last tokens): one token a row
+        ids = np.array([s.token_ids[c] for s, c in zip(seqs, lo_list)], dtype=np.int64)
+        positions = lo
+        slots = np.array([s.pages[c // ps] for s, c in zip(seqs, lo_list)], dtype=np.int64)
+        slots = slots * ps + lo % ps
+    else:
+        ids_l: list = []
+        pos_l: list = []
+        slots_l: list = []
+        for seq, c, k in zip(seqs, lo_list, counts):
+            if k == 1:
+                ids_l.append(seq.token_ids[c])
+                pos_l.append(c)
+                slots_l.append(seq.pages[c // ps] * ps + c % ps)
+            else:
+                pp = np.arange(c, c + k)
+                ids_l.extend(seq.token_ids[c:c + k])
+                pos_l.extend(pp.tolist())
+                slots_l.extend((np.asarray(seq.pages, dtype=np.int64)[pp // ps] * ps
+                                + pp % ps).tolist())
+        ids = np.asarray(ids_l, dtype=np.int64)
+        positions = np.asarray(pos_l, dtype=np.int64)
+        slots = np.asarray(slots_l, dtype=np.int64)
+    kv_start = np.zeros(b, dtype=np.int32)
+    groups, at = [], 0
+    for members, shared in found:  # members come first, in this order
+        groups.append(Group(at, at + len(members), shared))
+        kv_start[at:at + len(members)] = shared * ps
+        at += len(members)
+    num_prompt = np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64)
+    prefill = int(np.maximum(0, np.minimum(hi, num_prompt) - lo).sum())
+    want = np.array(wants_logits, dtype=bool)
+    sampled = [s for s, w in zip(seqs, wants_logits) if w]
     return StepBatch(
-        seqs=[seqs[i] for i in order], counts=[counts[i] for i in order],
-        ids=np.asarray(ids, dtype=np.int64), positions=np.asarray(pos, dtype=np.int64),
-        slots=np.asarray(slots, dtype=np.int64), cu_q=np.asarray(cu_q, dtype=np.int32),
-        context_lens=np.asarray(ctx, dtype=np.int32),
-        kv_start=np.asarray(kv_start, dtype=np.int32), sample_rows=sample_rows,
+        seqs=seqs, counts=counts, ids=ids, positions=positions, slots=slots, cu_q=cu_q,
+        context_lens=hi.astype(np.int32), kv_start=kv_start,
+        sample_rows=(cu_q[1:][want] - 1).astype(np.int64).tolist() if b else [],
         sampled=sampled, groups=groups, prefill_tokens=prefill,
     )

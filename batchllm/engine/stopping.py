@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from batchllm.engine.request import Request
 
 _MAX_WAIT = 16  # tokens decoded again while the text ends inside a character, at most
+_BATCH_DECODE_FROM = 32  # sequences; fewer are decoded one by one
 
 
 @dataclass(eq=False)
@@ -52,26 +53,60 @@ class StopChecker:
     def decode(self, ids: list[int]) -> str:
         return self.tokenizer.decode(ids, skip_special_tokens=True)
 
+    def decode_many(self, batch: list[list[int]]) -> list[str]:
+        """decode() of each, in one call where the tokenizer has batch_decode and the batch is
+        large enough to repay that call's fixed cost (~40 us: its thread pool)."""
+        many = getattr(self.tokenizer, "batch_decode", None)
+        if many is None or len(batch) < _BATCH_DECODE_FROM:
+            return [self.decode(ids) for ids in batch]
+        return many(batch, skip_special_tokens=True)
+
     def check(self, seq: Request) -> bool:
         """Sets seq.finish_reason (and seq.text for a stop string); True when finished.
 
         A constrained row also stops when its grammar is complete (even with ignore_eos: only
         end-of-sequence could follow), which wins over max_tokens reached by the same token."""
-        sp = seq.sampling
-        out = seq.output_ids
-        if not sp.ignore_eos and out[-1] in self.eos_ids:
-            seq.finish_reason = "stop"
-            return True
-        if seq.matcher is not None and seq.matcher.is_stopped():
-            seq.finish_reason = "stop"
-            return True
-        if sp.stop:
-            text = self._stop_text(seq, out)
+        return self.check_many([seq])[0]
+
+    def check_many(self, seqs: list[Request]) -> list[bool]:
+        """check() of each sequence, the decodes of those with stop strings in one batch (one
+        call into the tokenizer a step, not two per row)."""
+        done = [False] * len(seqs)
+        scanning = []  # (index, sequence, its scan, its output's length)
+        for i, seq in enumerate(seqs):
+            sp = seq.sampling
+            eos = not sp.ignore_eos and seq.token_ids[-1] in self.eos_ids
+            if eos or (seq.matcher is not None and seq.matcher.is_stopped()):
+                seq.finish_reason = "stop"
+                done[i] = True
+            elif sp.stop:
+                n = len(seq.token_ids) - seq.num_prompt_tokens  # no copy of the output
+                scanning.append((i, seq, self._scan(seq, n), n))
+            else:
+                done[i] = self._length(seq)
+        if not scanning:
+            return done
+        batch = []
+        for _, seq, scan, _ in scanning:
+            ids, at = seq.token_ids, seq.num_prompt_tokens + scan.prefix
+            if scan.read > scan.prefix:
+                batch.append(ids[at : at + scan.read - scan.prefix])
+            batch.append(ids[at:])
+        texts = iter(self.decode_many(batch))
+        for i, seq, scan, n in scanning:
+            before = next(texts) if scan.read > scan.prefix else ""
+            text = self._stop_text(seq, scan, n, before, next(texts))
             if text is not None:
                 seq.text = text
                 seq.finish_reason = "stop"
-                return True
-        if len(out) >= sp.max_tokens or seq.total >= self.max_model_len:
+                done[i] = True
+            else:
+                done[i] = self._length(seq)
+        return done
+
+    def _length(self, seq: Request) -> bool:
+        if seq.total - seq.num_prompt_tokens >= seq.sampling.max_tokens or (
+                seq.total >= self.max_model_len):
             seq.finish_reason = "length"
             return True
         return False
@@ -80,20 +115,22 @@ class StopChecker:
         self._scans.pop(id(seq), None)
         return seq.text if seq.text is not None else self.decode(seq.output_ids)
 
-    def _scan(self, seq: Request, out: list[int]) -> _Scan:
+    def _scan(self, seq: Request, n: int) -> _Scan:
+        """The row's scan; n: its output's length."""
         key = id(seq)
         hit = self._scans.get(key)
-        if hit is not None and hit[0]() is seq and hit[1].read <= len(out):
+        if hit is not None and hit[0]() is seq and hit[1].read <= n:
             return hit[1]
         scan = _Scan()  # a sequence seen first (or its output replaced): decoded from the start
         self._scans[key] = (weakref.ref(seq, lambda _, k=key: self._scans.pop(k, None)), scan)
         return scan
 
-    def _stop_text(self, seq: Request, out: list[int]) -> str | None:
+    def _stop_text(self, seq: Request, scan: _Scan, n: int, before: str,
+                   text: str) -> str | None:
         """The row's text before the first stop string, when one ends in this step's new text;
-        else None."""
-        scan = self._scan(seq, out)
-        new, done = self._new_text(scan, out)
+        else None. n: the output's length; before, text: the decodes of output tokens
+        [scan.prefix, scan.read) and [scan.prefix, n)."""
+        new, done = self._new_text(scan, n, before, text)
         window = scan.tail + new
         self.scanned_chars = len(window)
         hits = [i for i in (window.find(s) for s in seq.sampling.stop) if i >= 0]
@@ -107,14 +144,13 @@ class StopChecker:
             scan.tail = window[max(len(window) - longest + 1, 0):]
         return None
 
-    def _new_text(self, scan: _Scan, out: list[int]) -> tuple[str, bool]:
-        """(the text that out[scan.read:] adds, whether it is final: the scan advances past
+    def _new_text(self, scan: _Scan, n: int, before: str, text: str
+                  ) -> tuple[str, bool]:
+        """(the text that output tokens [scan.read, n) add, whether it is final: the scan advances past
         those tokens). Not final while it ends inside a character, for up to _MAX_WAIT tokens."""
-        before = self.decode(out[scan.prefix : scan.read]) if scan.read > scan.prefix else ""
-        text = self.decode(out[scan.prefix :])
-        self.decoded_tokens = 2 * (scan.read - scan.prefix) + len(out) - scan.read
+        self.decoded_tokens = 2 * (scan.read - scan.prefix) + n - scan.read
         new = text[len(before):]
-        if (not new or new.endswith("\ufffd")) and len(out) - scan.read < _MAX_WAIT:
+        if (not new or new.endswith("\ufffd")) and n - scan.read < _MAX_WAIT:
             return new, False
-        scan.prefix, scan.read = scan.read, len(out)
+        scan.prefix, scan.read = scan.read, n
         return new, True

@@ -65,6 +65,11 @@ class Tokenizer:
         ids = [token_ids] if isinstance(token_ids, int) else list(token_ids)
         return self._backend.decode(ids, skip_special_tokens=skip_special_tokens)
 
+    def batch_decode(self, sequences: list[list[int]], skip_special_tokens: bool = False
+                     ) -> list[str]:
+        """decode() of each, in one call into the backend."""
+        return self._backend.decode_batch(sequences, skip_special_tokens=skip_special_tokens)
+
     def apply_chat_template(self, conversation: list, tokenize: bool = True,
                             add_generation_prompt: bool = False, **kwargs: Any):
         """Rendered text of one conversation or of a list of them; anything beyond that
