@@ -1,0 +1,239 @@
+/* y [M, N] = x [M, K] W^T + b on the CPU, float32 sums, with W as a GGUF file's quantized
+ * blocks, read as they lie in the file: N rows of K / 32 blocks each (GGML's Q8_0, Q4_0, Q4_1),
+ * built and loaded by kernels/cpu/blocks.py; and the same product reduced to each row's argmax.
+ *
+ * Blocks of 32 weights along k:
+ *   Q8_0  34 bytes: fp16 d, 32 int8 q             w = d * q
+ *   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles   w = d * (q - 8)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes      w = d * q + m (rounded twice, no FMA)
+ * (byte j's low nibble is weight j, its high nibble weight j + 16): the values, bit for bit, of
+ * gguf.quants.dequantize in float32, which transformers loads.
+ *
+ * Each thread takes 16 rows of W at a time (one panel of tile.h), dequantizes their blocks
+ * into a panel [K, 16] float32 of its own (gathers of 16 rows' bytes at a time, 8 with AVX2;
+ * K = 1,536: 96 KB, in L2) and runs linear.c's FMA tiles over it: every y[r, j] is the same
+ * chain of FMAs over k, bias first, as cpu_linear's over the dequantized weights, so the two
+ * products are equal bit for bit. The weight stream from memory is the blocks': 5/32 (Q4_1)
+ * to 17/64 (Q8_0) of the float32 panels' bytes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "tile.h"
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
+#define QK 32                             /* weights a block */
+
+static int64_t block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18; }
+
+/* v as it is, the compiler kept from fusing the multiply before it with the add after it */
+static inline float kept(float v) {
+#if defined(__x86_64__)
+    __asm__("" : "+x"(v));
+#else
+    volatile float t = v;
+    v = t;
+#endif
+    return v;
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits = sign;
+    float f;
+    if (exp == 31) {
+        bits |= 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits |= ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: man 2^-24, exact */
+        f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+#if defined(__AVX512F__)
+#define LANES 16
+typedef __m512 vf;
+typedef __m512i vi;
+#define gather(idx, p) _mm512_i32gather_epi32(idx, (const void *)(p), 1)
+#define halves(v) _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)) /* low 16 bits as fp16 */
+#define srli _mm512_srli_epi32
+#define slli _mm512_slli_epi32
+#define srai _mm512_srai_epi32
+#define and_ _mm512_and_si512
+#define sub _mm512_sub_epi32
+#define set1 _mm512_set1_epi32
+#define cvt _mm512_cvtepi32_ps
+#define mul _mm512_mul_ps
+#define add _mm512_add_ps
+#define store _mm512_store_ps
+#define KEEP(v) __asm__("" : "+v"(v))
+#elif defined(__AVX2__)
+#define LANES 8
+typedef __m256 vf;
+typedef __m256i vi;
+#define gather(idx, p) _mm256_i32gather_epi32((const int *)(const void *)(p), idx, 1)
+static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16 */
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
+}
+#define srli _mm256_srli_epi32
+#define slli _mm256_slli_epi32
+#define srai _mm256_srai_epi32
+#define and_ _mm256_and_si256
+#define sub _mm256_sub_epi32
+#define set1 _mm256_set1_epi32
+#define cvt _mm256_cvtepi32_ps
+#define mul _mm256_mul_ps
+#define add _mm256_add_ps
+#define store _mm256_store_ps
+#define KEEP(v) __asm__("" : "+x"(v))
+#endif
+
+#ifdef LANES
+/* LANES rows of one block column (block kb of each row at offsets idx from b) into
+ * out[k * NR + lane], k < 32 */
+static inline void dequant_lanes(int type, const uint8_t *b, vi idx, float *out) {
+    const vi head = gather(idx, b);
+    const vf d = halves(head);
+    if (type == Q8_0) {
+#pragma GCC unroll 8
+        for (int g = 0; g < 8; g++) {
+            const vi q = gather(idx, b + 2 + 4 * g);
+#pragma GCC unroll 4
+            for (int s = 0; s < 4; s++)
+                store(out + (4 * g + s) * NR, mul(d, cvt(srai(slli(q, 24 - 8 * s), 24))));
+        }
+        return;
+    }
+    const vi nib = set1(15), eight = set1(8);
+    const int q4_1 = type == Q4_1;
+    const vf m = halves(srli(head, 16));
+    const uint8_t *qs = b + (q4_1 ? 4 : 2);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const vi q = gather(idx, qs + 4 * g);
+#pragma GCC unroll 4
+        for (int s = 0; s < 4; s++) {
+            const vi lo = and_(srli(q, 8 * s), nib), hi = and_(srli(q, 8 * s + 4), nib);
+            if (q4_1) {
+                vf wl = mul(d, cvt(lo)), wh = mul(d, cvt(hi));
+                KEEP(wl);
+                KEEP(wh);
+                store(out + (4 * g + s) * NR, add(wl, m));
+                store(out + (16 + 4 * g + s) * NR, add(wh, m));
+            } else {
+                store(out + (4 * g + s) * NR, mul(d, cvt(sub(lo, eight))));
+                store(out + (16 + 4 * g + s) * NR, mul(d, cvt(sub(hi, eight))));
+            }
+        }
+    }
+}
+#endif
+
+/* rows 0 .. cols - 1 of w (blocks, rb bytes a row) dequantized into panel [K, 16] (64-byte
+ * aligned); the columns past cols repeat the last row (never written out: tile.h) */
+static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t K, int64_t cols,
+                          float *panel) {
+    const int64_t bb = block_bytes(type);
+#ifdef LANES
+    int32_t off[NR];
+    for (int i = 0; i < NR; i++) off[i] = (int32_t)((i < cols ? i : cols - 1) * rb);
+    vi idx[NR / LANES];
+    for (int h = 0; h < NR / LANES; h++) memcpy(&idx[h], off + h * LANES, sizeof(vi));
+    for (int64_t kb = 0; kb < K / QK; kb++)
+        for (int h = 0; h < NR / LANES; h++)
+            dequant_lanes(type, w + kb * bb, idx[h], panel + kb * QK * NR + h * LANES);
+#else
+    for (int i = 0; i < NR; i++) {
+        const uint8_t *row = w + (i < cols ? i : cols - 1) * rb;
+        for (int64_t kb = 0; kb < K / QK; kb++) {
+            const uint8_t *b = row + kb * bb;
+            const float d = half_to_float(u16(b));
+            float *out = panel + kb * QK * NR + i;
+            if (type == Q8_0) {
+                for (int k = 0; k < QK; k++) out[k * NR] = d * (float)(int8_t)b[2 + k];
+                continue;
+            }
+            const float m = type == Q4_1 ? half_to_float(u16(b + 2)) : 0.f;
+            const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
+            for (int k = 0; k < QK; k++) {
+                const int q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+                out[k * NR] = type == Q4_1 ? kept(d * (float)q) + m : d * (float)(q - 8);
+            }
+        }
+    }
+#endif
+}
+
+/* The product over every panel of 16 rows of W, in parallel over them (per-thread bests in
+ * bests[thread]), rows in blocks as linear.c's */
+static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                    int type, const float *bias, int64_t N, float *y, Best *bests) {
+    const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
+    int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
+    if (block < 96) block = 96;
+#pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float *panel = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        for (int64_t m0 = 0; m0 < M; m0 += block) {
+            const int64_t m1 = m0 + block < M ? m0 + block : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < count; p++) {
+                const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+                dequant_panel(w + p * NR * rb, type, rb, K, cols, panel);
+                panel_rows(x, lda, K, panel, bias ? bias + p * NR : 0, y,
+                           bests ? bests + thread : 0, N, p, m0, m1);
+            }
+        }
+        free(panel);
+    }
+}
+
+/* x [M, K] (row stride lda, K a multiple of 32), w [N, K / 32] blocks of GGML type `type`,
+ * contiguous, bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+void cpu_blocks_linear(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                       int64_t type, const float *bias, int64_t N, float *y) {
+    product(x, M, lda, K, w, (int)type, bias, N, y, 0);
+}
+
+/* ids [M] = argmax over j of (x W^T + b)[r, j], y never written (linear.c's rule) */
+void cpu_blocks_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K,
+                              const uint8_t *w, int64_t type, const float *bias, int64_t N,
+                              int64_t *ids) {
+    Bests b = bests_new(M);
+    product(x, M, lda, K, w, (int)type, bias, N, 0, b.best);
+    bests_merge(&b, M, ids);
+}
+
+/* panels [ceil(N / 16), K, 16] = W's blocks dequantized, as the products see them */
+void cpu_blocks_dequantize(const uint8_t *w, int64_t type, int64_t K, int64_t N,
+                           float *panels) {
+    const int64_t rb = K / QK * block_bytes((int)type);
+    for (int64_t p = 0; p < (N + NR - 1) / NR; p++)
+        dequant_panel(w + p * NR * rb, (int)type, rb, K, N - p * NR < NR ? N - p * NR : NR,
+                      panels + p * K * NR);
+}
