@@ -53,6 +53,17 @@ def gguf_folder(file: Path) -> Path:
     return _convert_once(name, file.parent, file.name, {"gguf": str(file)})
 
 
+def source_file(folder: Path) -> Path | None:
+    """The .gguf file a folder of this cache was converted from (its marker names it), where it
+    is still there; None for any other folder."""
+    try:
+        info = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    path = Path(info["gguf"]) if isinstance(info, dict) and "gguf" in info else None
+    return path if path is not None and path.is_file() else None
+
+
 def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str]) -> Path:
     """cache_root()/models/<name>: source/gguf_name converted there unless it already is (the
     marker, written last, says so); concurrent runs race safely to one rename."""
