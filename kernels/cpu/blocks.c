@@ -32,6 +32,7 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
 #define QK 32                             /* weights a block */
+#define KC 128 /* steps of k dequantized at a time: a panel of 8 KB */
 
 static int64_t block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18; }
 
@@ -150,26 +151,32 @@ static inline void dequant_lanes(int type, const uint8_t *b, vi idx, float *out)
 }
 #endif
 
-/* rows 0 .. cols - 1 of w (blocks, rb bytes a row) dequantized into panel [K, 16] (64-byte
- * aligned); the columns past cols repeat the last row (never written out: tile.h) */
-static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t K, int64_t cols,
-                          float *panel) {
+/* blocks kb0 .. kb0 + kbn - 1 of rows 0 .. cols - 1 of w (rb bytes a row) dequantized into
+ * panel [32 kbn, 16] (64-byte aligned); the columns past cols repeat the last row (never
+ * written out: tile.h). The next panel's rows are asked for into L2 meanwhile, as far into
+ * them as these blocks are into these rows. */
+static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, int64_t kbn,
+                          int64_t cols, float *panel) {
     const int64_t bb = block_bytes(type);
 #ifdef LANES
     int32_t off[NR];
     for (int i = 0; i < NR; i++) off[i] = (int32_t)((i < cols ? i : cols - 1) * rb);
     vi idx[NR / LANES];
     for (int h = 0; h < NR / LANES; h++) memcpy(&idx[h], off + h * LANES, sizeof(vi));
-    for (int64_t kb = 0; kb < K / QK; kb++)
+    const uint8_t *next = w + NR * rb;
+    for (int64_t kb = kb0; kb < kb0 + kbn; kb++) {
+        for (int64_t at = kb * NR * bb; at < (kb + 1) * NR * bb; at += 64)
+            _mm_prefetch((const char *)(next + at), _MM_HINT_T1);
         for (int h = 0; h < NR / LANES; h++)
-            dequant_lanes(type, w + kb * bb, idx[h], panel + kb * QK * NR + h * LANES);
+            dequant_lanes(type, w + kb * bb, idx[h], panel + (kb - kb0) * QK * NR + h * LANES);
+    }
 #else
     for (int i = 0; i < NR; i++) {
         const uint8_t *row = w + (i < cols ? i : cols - 1) * rb;
-        for (int64_t kb = 0; kb < K / QK; kb++) {
+        for (int64_t kb = kb0; kb < kb0 + kbn; kb++) {
             const uint8_t *b = row + kb * bb;
             const float d = half_to_float(u16(b));
-            float *out = panel + kb * QK * NR + i;
+            float *out = panel + (kb - kb0) * QK * NR + i;
             if (type == Q8_0) {
                 for (int k = 0; k < QK; k++) out[k * NR] = d * (float)(int8_t)b[2 + k];
                 continue;
@@ -186,30 +193,37 @@ static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t K, int
 }
 
 /* The product over every panel of 16 rows of W, in parallel over them (per-thread bests in
- * bests[thread]), rows in blocks as linear.c's */
+ * bests[thread]), rows in blocks as linear.c's; each panel dequantized KC steps of k at a time
+ * into a panel of its own that stays in L1, the rows' running sums kept in between */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
                     int type, const float *bias, int64_t N, float *y, Best *bests) {
     const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
     int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
+    if (block > M) block = M;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *panel = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        float *panel = aligned_alloc(64, KC * NR * sizeof(float));
+        float *acc = malloc(block * NR * sizeof(float));
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < count; p++) {
                 const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-                dequant_panel(w + p * NR * rb, type, rb, K, cols, panel);
-                panel_rows(x, lda, K, panel, bias ? bias + p * NR : 0, y,
-                           bests ? bests + thread : 0, N, p, m0, m1);
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kn = K - k0 < KC ? K - k0 : KC;
+                    dequant_panel(w + p * NR * rb, type, rb, k0 / QK, kn / QK, cols, panel);
+                    panel_rows(x, lda, K, panel, k0, kn, acc, bias ? bias + p * NR : 0, y,
+                               bests ? bests + thread : 0, N, p, m0, m1);
+                }
             }
         }
         free(panel);
+        free(acc);
     }
 }
 
@@ -234,6 +248,6 @@ void cpu_blocks_dequantize(const uint8_t *w, int64_t type, int64_t K, int64_t N,
                            float *panels) {
     const int64_t rb = K / QK * block_bytes((int)type);
     for (int64_t p = 0; p < (N + NR - 1) / NR; p++)
-        dequant_panel(w + p * NR * rb, (int)type, rb, K, N - p * NR < NR ? N - p * NR : NR,
-                      panels + p * K * NR);
+        dequant_panel(w + p * NR * rb, (int)type, rb, 0, K / QK,
+                      N - p * NR < NR ? N - p * NR : NR, panels + p * K * NR);
 }

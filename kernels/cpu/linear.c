@@ -46,8 +46,8 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const flo
             const int64_t m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < count; p++)
-                panel_rows(x, lda, K, panels + p * K * NR, bias ? bias + p * NR : 0, y,
-                           bests ? bests + thread : 0, N, p, m0, m1);
+                panel_rows(x, lda, K, panels + p * K * NR, 0, K, 0, bias ? bias + p * NR : 0,
+                           y, bests ? bests + thread : 0, N, p, m0, m1);
         }
     }
 }

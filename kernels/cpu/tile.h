@@ -30,17 +30,19 @@
  * it saves, and far more when another process holds the other core. */
 #define PARALLEL_MACS (1 << 18)
 
-/* out[r, j] = bias[j] + sum_k x[r, k] w[k, j] for r < mr, j < cols (cols < NR: the last panel);
- * each step of K asks for the panel's line PREFETCH_STEPS ahead (into the next panel at its
+/* out[r, j] = init[r, j] + sum_k x[r, k] w[k, j] for r < mr, j < cols (cols < NR: the last
+ * panel), init [mr, NR] the running sums of earlier steps of k, or NULL: bias[j] (or 0); each
+ * step of K asks for the panel's line PREFETCH_STEPS ahead (into the next panel at its
  * end: a thread's panels are contiguous) */
 static inline __attribute__((always_inline)) void tile(const int mr, const float *x, int64_t lda,
-                                                      const float *w, int64_t K, const float *bias,
-                                                      float *out, int64_t ldo, int64_t cols) {
+                                                      const float *w, int64_t K, const float *init,
+                                                      const float *bias, float *out, int64_t ldo,
+                                                      int64_t cols) {
 #if defined(__AVX512F__)
     __m512 acc[MR];
     const __m512 b = bias ? _mm512_loadu_ps(bias) : _mm512_setzero_ps();
 #pragma GCC unroll 24
-    for (int r = 0; r < mr; r++) acc[r] = b;
+    for (int r = 0; r < mr; r++) acc[r] = init ? _mm512_loadu_ps(init + r * NR) : b;
     for (int64_t k = 0; k < K; k++) {
         _mm_prefetch((const char *)(w + (k + PREFETCH_STEPS) * NR), _MM_HINT_T1);
         __m512 wv = _mm512_loadu_ps(w + k * NR);
@@ -66,8 +68,8 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
     const __m256 b1 = bias ? _mm256_loadu_ps(bias + 8) : _mm256_setzero_ps();
 #pragma GCC unroll 6
     for (int r = 0; r < mr; r++) {
-        lo[r] = b0;
-        hi[r] = b1;
+        lo[r] = init ? _mm256_loadu_ps(init + r * NR) : b0;
+        hi[r] = init ? _mm256_loadu_ps(init + r * NR + 8) : b1;
     }
     for (int64_t k = 0; k < K; k++) {
         _mm_prefetch((const char *)(w + (k + PREFETCH_STEPS) * NR), _MM_HINT_T1);
@@ -88,12 +90,14 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
 #else
     float acc[MR][NR];
     for (int r = 0; r < mr; r++)
-        for (int j = 0; j < NR; j++) acc[r][j] = bias ? bias[j] : 0.f;
-    for (int64_t k = 0; k < K; k++)
+        for (int j = 0; j < NR; j++) acc[r][j] = init ? init[r * NR + j] : bias ? bias[j] : 0.f;
+    for (int64_t k = 0; k < K; k++) {
         for (int r = 0; r < mr; r++) {
             const float xv = x[r * lda + k];
             for (int j = 0; j < NR; j++) acc[r][j] += xv * w[k * NR + j];
         }
+        __asm__("" : "+m"(acc)); /* step by step: -ffast-math may not regroup the sums over k */
+    }
     for (int r = 0; r < mr; r++) memcpy(o + r * ld, acc[r], sizeof(acc[r]));
 #endif
     if (cols < NR)
@@ -102,11 +106,12 @@ static inline __attribute__((always_inline)) void tile(const int mr, const float
 }
 
 #define TILE(n) \
-    case n: tile(n, x, lda, w, K, bias, out, ldo, cols); break;
+    case n: tile(n, x, lda, w, K, init, bias, out, ldo, cols); break;
 
 /* tile() with mr a constant, for 1 <= rows <= MR */
 static void any_tile(int64_t rows, const float *x, int64_t lda, const float *w, int64_t K,
-                     const float *bias, float *out, int64_t ldo, int64_t cols) {
+                     const float *init, const float *bias, float *out, int64_t ldo,
+                     int64_t cols) {
     switch (rows) {
         TILE(1) TILE(2) TILE(3) TILE(4) TILE(5) TILE(6)
 #if MR > 6
@@ -117,20 +122,28 @@ static void any_tile(int64_t rows, const float *x, int64_t lda, const float *w, 
     }
 }
 
-/* rows m0 .. m1 - 1 of y against panel p: written to y (best NULL), or folded into best */
-static void panel_rows(const float *x, int64_t lda, int64_t K, const float *panel,
-                       const float *bias, float *y, Best *best, int64_t N, int64_t p, int64_t m0,
-                       int64_t m1) {
+/* rows m0 .. m1 - 1 of y against steps k0 .. k0 + kn - 1 of panel p (`panel` holds those
+ * steps' rows [kn, NR]). With acc NULL, the whole product (k0 = 0, kn = K) written to y (best
+ * NULL) or folded into best; else acc [m1 - m0, NR] keeps the rows' running sums between calls
+ * (from the bias at k0 = 0), the last steps (k0 + kn = K) write or fold them. Either way each
+ * y[r, j] is the one chain of FMAs over k. */
+static void panel_rows(const float *x, int64_t lda, int64_t K, const float *panel, int64_t k0,
+                       int64_t kn, float *acc, const float *bias, float *y, Best *best,
+                       int64_t N, int64_t p, int64_t m0, int64_t m1) {
     const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
     const int64_t tiles = (m1 - m0 + MR - 1) / MR;
     float buffer[MR * NR];
     for (int64_t i = 0, m = m0; i < tiles; i++) { /* tiles of as even heights as can be */
         const int64_t rows = (m1 - m) / (tiles - i) + ((m1 - m) % (tiles - i) != 0);
-        const float *xm = x + m * lda;
-        if (!best) {
-            any_tile(rows, xm, lda, panel, K, bias, y + m * N + p * NR, N, cols);
+        const float *xm = x + m * lda + k0;
+        float *sums = acc ? acc + (m - m0) * NR : 0;
+        const float *init = acc && k0 ? sums : 0;
+        if (acc && k0 + kn < K) {
+            any_tile(rows, xm, lda, panel, kn, init, bias, sums, NR, NR);
+        } else if (!best) {
+            any_tile(rows, xm, lda, panel, kn, init, bias, y + m * N + p * NR, N, cols);
         } else {
-            any_tile(rows, xm, lda, panel, K, bias, buffer, NR, cols);
+            any_tile(rows, xm, lda, panel, kn, init, bias, buffer, NR, cols);
             fold(best, buffer, rows, cols, m, p);
         }
         m += rows;
