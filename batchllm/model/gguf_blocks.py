@@ -9,12 +9,18 @@ q_proj's and k_proj's rows of a llama model (the two halves of each head's rotar
 interleaved); transformers un-permutes the dequantized weight (LlamaTensorProcessor:
 [heads, D/2, 2, K] -> [heads, 2, D/2, K]), and since the permutation is over output rows it is
 applied here to the rows of blocks, the same rows in the same order.
+
+`take_blocks` puts them in a model's state in place of the converted folder's float32 weights
+(whose pages are then never read), where the model runs on the CPU in float32 from a folder
+batchllm converted from a .gguf file; BATCHLLM_GGUF_BLOCKS=0 keeps the float32 conversion
+(what scripts/bench.py compares the blocks with).
 """
 
 from __future__ import annotations
 
+import os
 import re
-from collections.abc import Iterable
+from collections.abc import Iterable, MutableMapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -114,3 +120,22 @@ def read_blocks(path: Path, names: Iterable[str], tied: bool) -> dict[str, Block
             rows = _unpermute(rows, int(heads[which.group(1)].contents()))
         out[name] = BlockWeight(torch.from_numpy(np.array(rows)), tensor.tensor_type.name, k)
     return out
+
+
+def take_blocks(folder: Path, state: MutableMapping, tied: bool,
+                attention: bool = True) -> int:
+    """In place: each projection of `state` the GGUF file behind `folder` holds as blocks
+    becomes its BlockWeight (attention False: the attention's stay float32, as for models
+    whose heads are permuted at load); returns how many. Nothing for any other folder."""
+    from batchllm.model.gguf import source_file
+
+    path = source_file(folder)
+    if path is None or os.environ.get("BATCHLLM_GGUF_BLOCKS", "1") == "0":
+        return 0
+    names = [n for n in state if attention or ".self_attn." not in n]
+    if tied and "lm_head.weight" not in state:
+        names.append("lm_head.weight")
+    found = read_blocks(path, names, tied)
+    for name, weight in found.items():
+        state[name] = weight
+    return len(found)
