@@ -10,8 +10,9 @@
  * gguf.quants.dequantize in float32, which transformers loads.
  *
  * Each thread takes 16 rows of W at a time (one panel of tile.h), dequantizes their blocks
- * into a panel [K, 16] float32 of its own (gathers of 16 rows' bytes at a time, 8 with AVX2;
- * K = 1,536: 96 KB, in L2) and runs linear.c's FMA tiles over it: every y[r, j] is the same
+ * 128 steps of k at a time into a panel [128, 16] float32 of its own (8 KB, in L1; 8 rows at a
+ * time, their bytes transposed by AVX2 shuffles, with AVX-512 too) and runs linear.c's FMA
+ * tiles over it, the rows' running sums kept between the steps: every y[r, j] is the same
  * chain of FMAs over k, bias first, as cpu_linear's over the dequantized weights, so the two
  * products are equal bit for bit. The weight stream from memory is the blocks': 5/32 (Q4_1)
  * to 17/64 (Q8_0) of the float32 panels' bytes.
@@ -70,28 +71,8 @@ static inline float half_to_float(uint16_t h) {
 
 static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
 
-#if defined(__AVX512F__)
-#define LANES 16
-typedef __m512 vf;
-typedef __m512i vi;
-#define gather(idx, p) _mm512_i32gather_epi32(idx, (const void *)(p), 1)
-#define halves(v) _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)) /* low 16 bits as fp16 */
-#define srli _mm512_srli_epi32
-#define slli _mm512_slli_epi32
-#define srai _mm512_srai_epi32
-#define and_ _mm512_and_si512
-#define sub _mm512_sub_epi32
-#define set1 _mm512_set1_epi32
-#define cvt _mm512_cvtepi32_ps
-#define mul _mm512_mul_ps
-#define add _mm512_add_ps
-#define store _mm512_store_ps
-#define KEEP(v) __asm__("" : "+v"(v))
-#elif defined(__AVX2__)
+#if defined(__AVX2__) /* AVX-512 builds too: the tiles are 16 wide there, this 8 */
 #define LANES 8
-typedef __m256 vf;
-typedef __m256i vi;
-#define gather(idx, p) _mm256_i32gather_epi32((const int *)(const void *)(p), idx, 1)
 static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16 */
     const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
     const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
@@ -111,49 +92,8 @@ static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16
 #endif
 
 #ifdef LANES
-/* LANES rows of one block column (block kb of each row at offsets idx from b) into
- * out[k * NR + lane], k < 32 */
-static inline void dequant_lanes(int type, const uint8_t *b, vi idx, float *out) {
-    const vi head = gather(idx, b);
-    const vf d = halves(head);
-    if (type == Q8_0) {
-#pragma GCC unroll 8
-        for (int g = 0; g < 8; g++) {
-            const vi q = gather(idx, b + 2 + 4 * g);
-#pragma GCC unroll 4
-            for (int s = 0; s < 4; s++)
-                store(out + (4 * g + s) * NR, mul(d, cvt(srai(slli(q, 24 - 8 * s), 24))));
-        }
-        return;
-    }
-    const vi nib = set1(15), eight = set1(8);
-    const int q4_1 = type == Q4_1;
-    const vf m = halves(srli(head, 16));
-    const uint8_t *qs = b + (q4_1 ? 4 : 2);
-#pragma GCC unroll 4
-    for (int g = 0; g < 4; g++) {
-        const vi q = gather(idx, qs + 4 * g);
-#pragma GCC unroll 4
-        for (int s = 0; s < 4; s++) {
-            const vi lo = and_(srli(q, 8 * s), nib), hi = and_(srli(q, 8 * s + 4), nib);
-            if (q4_1) {
-                vf wl = mul(d, cvt(lo)), wh = mul(d, cvt(hi));
-                KEEP(wl);
-                KEEP(wh);
-                store(out + (4 * g + s) * NR, add(wl, m));
-                store(out + (16 + 4 * g + s) * NR, add(wh, m));
-            } else {
-                store(out + (4 * g + s) * NR, mul(d, cvt(sub(lo, eight))));
-                store(out + (16 + 4 * g + s) * NR, mul(d, cvt(sub(hi, eight))));
-            }
-        }
-    }
-}
-#endif
-
-#if LANES == 8
-/* The AVX2 path without gathers (microcoded on AMD's Zen 2 and 3, where they cost 3x these
- * shuffles): c[g] = 16 bytes at p[r] + at of 8 rows transposed, dword t of lane 0 holding byte
+/* Without gathers (microcoded on AMD's Zen 2 and 3, where they cost more than these shuffles
+ * here): c[g] = 16 bytes at p[r] + at of 8 rows transposed, dword t of lane 0 holding byte
  * 4g + t of rows 0-3, of lane 1 rows 4-7 */
 static inline void transpose8x16(const uint8_t *const p[8], int64_t at, __m256i c[4]) {
     __m256i a[4];
@@ -179,7 +119,7 @@ static inline __m256i byte_of(__m256i c, int t, int high) {
     return high ? _mm256_srai_epi32(v, 24) : v;
 }
 
-/* dequant_lanes' values from the 8 rows' blocks at p[r] (no gathers) */
+/* 8 rows' blocks (row r's at p[r]) dequantized into out[k * NR + r], k < 32 */
 static inline void dequant_rows8(int type, const uint8_t *const p[8], float *out) {
     int32_t head[8];
     for (int r = 0; r < 8; r++) memcpy(&head[r], p[r], 4);
@@ -228,22 +168,16 @@ static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, i
                           int64_t cols, float *panel) {
     const int64_t bb = block_bytes(type);
 #ifdef LANES
-    int32_t off[NR];
-    for (int i = 0; i < NR; i++) off[i] = (int32_t)((i < cols ? i : cols - 1) * rb);
-    vi idx[NR / LANES];
-    for (int h = 0; h < NR / LANES; h++) memcpy(&idx[h], off + h * LANES, sizeof(vi));
+    int64_t off[NR];
+    for (int i = 0; i < NR; i++) off[i] = (i < cols ? i : cols - 1) * rb;
     const uint8_t *next = w + NR * rb;
     for (int64_t kb = kb0; kb < kb0 + kbn; kb++) {
         for (int64_t at = kb * NR * bb; at < (kb + 1) * NR * bb; at += 64)
             _mm_prefetch((const char *)(next + at), _MM_HINT_T1);
         for (int h = 0; h < NR / LANES; h++) {
-#if LANES == 8
-            const uint8_t *p[8];
-            for (int r = 0; r < 8; r++) p[r] = w + kb * bb + off[h * 8 + r];
+            const uint8_t *p[LANES];
+            for (int r = 0; r < LANES; r++) p[r] = w + kb * bb + off[h * LANES + r];
             dequant_rows8(type, p, panel + (kb - kb0) * QK * NR + h * LANES);
-#else
-            dequant_lanes(type, w + kb * bb, idx[h], panel + (kb - kb0) * QK * NR + h * LANES);
-#endif
         }
     }
 #else
