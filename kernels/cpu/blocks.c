@@ -34,6 +34,9 @@
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
 #define QK 32                             /* weights a block */
 #define KC 128 /* steps of k dequantized at a time: a panel of 8 KB */
+/* the most rows a block of rows holds (their running sums, 16 KB, on the thread's stack with
+ * the panel: no heap call a product) */
+#define ACC_ROWS 256
 
 static int64_t block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18; }
 
@@ -79,7 +82,6 @@ static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16
     return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
 }
 #define srli _mm256_srli_epi32
-#define slli _mm256_slli_epi32
 #define srai _mm256_srai_epi32
 #define and_ _mm256_and_si256
 #define sub _mm256_sub_epi32
@@ -210,15 +212,14 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uin
     const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
     int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
-    if (block > M) block = M;
+    if (block > ACC_ROWS) block = ACC_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float *panel = aligned_alloc(64, KC * NR * sizeof(float));
-        float *acc = malloc(block * NR * sizeof(float));
+        float panel[KC * NR] __attribute__((aligned(64))), acc[ACC_ROWS * NR];
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
@@ -232,8 +233,6 @@ static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uin
                 }
             }
         }
-        free(panel);
-        free(acc);
     }
 }
 
