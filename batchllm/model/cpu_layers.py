@@ -19,6 +19,7 @@ import torch
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
 from kernels.cpu import attention as cpu_attention
+from kernels.cpu import blocks as cpu_blocks
 from kernels.cpu import layers as cpu_layers
 from kernels.cpu import ops as cpu_ops
 from kernels.cpu import prefill as cpu_prefill
@@ -38,7 +39,10 @@ class LayeredModel(Protocol):
 
 
 def _projection(p: Linear) -> cpu_layers.Projection:
-    """p's weight as cpu_linear takes it."""
+    """p's weight as cpu_linear takes it, or its GGUF blocks as cpu_blocks_linear does."""
+    if p.blocks is not None:
+        return cpu_layers.Projection(0, address(p.panel_bias), p.out_features,
+                                     p.blocks.data_ptr(), cpu_blocks.type_id(p.kind))
     return cpu_layers.Projection(p.panels.data_ptr(), address(p.panel_bias), p.out_features)
 
 
@@ -81,8 +85,8 @@ class CpuLayers:
                     or layer.norm_attn_out is not None or layer.norm_mlp_out is not None
                     or not (_float_rows(a.cos) and _float_rows(a.sin))
                     or not (_float_rows(layer.norm_in) and _float_rows(layer.norm_mlp))
-                    or any(p.panels is None for p in (a.qkv, a.o, layer.mlp.gate_up,
-                                                      layer.mlp.down))):
+                    or any(p.panels is None and p.blocks is None
+                           for p in (a.qkv, a.o, layer.mlp.gate_up, layer.mlp.down))):
                 return None
         if cpu_layers.kernels() is None:
             return None

@@ -1,7 +1,10 @@
 """GGUF models as Hugging Face folders: a built-in alias (a GGUF file shipped in a Python
 package) or a .gguf file named by model.path is dequantized once by transformers into a cached
 folder (cache_root()/models/<alias>, or models/gguf-<name>-<key> keyed by the file's path, size
-and modification time); later uses reuse that folder."""
+and modification time); later uses reuse that folder. The folder gives the config, the
+tokenizer, the norms and the embedding; on the CPU in float32 the projections then run from the
+file's own Q8_0/Q4_0/Q4_1 blocks (gguf_blocks.py, found through the marker: `source_file`), and
+the folder's float32 copies of them are never read."""
 
 from __future__ import annotations
 
@@ -51,6 +54,17 @@ def gguf_folder(file: Path) -> Path:
     key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
     name = f"gguf-{file.stem.lower()}-{key[:12]}"
     return _convert_once(name, file.parent, file.name, {"gguf": str(file)})
+
+
+def source_file(folder: Path) -> Path | None:
+    """The .gguf file a folder of this cache was converted from (its marker names it), where it
+    is still there; None for any other folder."""
+    try:
+        info = json.loads((Path(folder) / MARKER).read_text())
+    except (OSError, ValueError):
+        return None
+    path = Path(info["gguf"]) if isinstance(info, dict) and "gguf" in info else None
+    return path if path is not None and path.is_file() else None
 
 
 def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str]) -> Path:

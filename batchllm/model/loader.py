@@ -15,6 +15,7 @@ from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
 from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_scales
+from batchllm.model.gguf_blocks import take_blocks
 from batchllm.model.hf_cache import load_config
 from batchllm.model.resolve import resolve_model
 from batchllm.model.rotary import head_permutation, position_limit
@@ -119,6 +120,9 @@ def load_model(
         return LoadedModel(model, tokenizer, eos_token_ids(folder, config, tokenizer), folder,
                            str(path), dev, limit)
     shape = model_shape(config)
+    if dev.type == "cpu" and dt == torch.float32 and quantization is None:  # gguf_blocks.py
+        take_blocks(folder, state, bool(getattr(config, "tie_word_embeddings", False)),
+                    attention=head_permutation(config) is None)
     kv_scales = take_kv_scales(state, shape.num_layers, shape.num_kv_heads)  # fp8_checkpoint.py
     take_fp8_weights(config, state, quantization, dt, head_permutation(config) is not None)
     limit = model_len_limit(config, max_model_len)

@@ -7,6 +7,11 @@
 
 #include <math.h>
 #include <stdint.h>
+#include <stdlib.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
 
 #define NR 16 /* panel width: y columns per tile */
 
@@ -33,6 +38,44 @@ static inline void fold(Best *best, const float *buffer, int64_t rows, int64_t c
                 best->val[m + r] = buffer[r * NR + j];
                 best->ids[m + r] = p * NR + j;
             }
+}
+
+/* One Best per thread of the team a product runs on, over M rows each */
+typedef struct {
+    Best *best; /* [threads] */
+    int threads;
+    float *val;
+    int64_t *at;
+} Bests;
+
+static inline Bests bests_new(int64_t M) {
+    Bests b = {0, 1, 0, 0};
+#ifdef _OPENMP
+    b.threads = omp_get_max_threads();
+#endif
+    b.val = malloc(sizeof(float) * b.threads * M);
+    b.at = malloc(sizeof(int64_t) * b.threads * M);
+    b.best = malloc(sizeof(Best) * b.threads);
+    for (int t = 0; t < b.threads; t++) b.best[t] = (Best){b.val + t * M, b.at + t * M};
+    for (int64_t i = 0; i < b.threads * M; i++) b.at[i] = -1;
+    return b;
+}
+
+/* ids[r] = the best of the threads' bests of row r (the first maximum); frees b */
+static inline void bests_merge(Bests *b, int64_t M, int64_t *ids) {
+    for (int64_t r = 0; r < M; r++) {
+        float v = b->val[r];
+        int64_t id = b->at[r];
+        for (int t = 1; t < b->threads; t++)
+            if (b->at[t * M + r] >= 0 && beats(b->val[t * M + r], b->at[t * M + r], v, id)) {
+                v = b->val[t * M + r];
+                id = b->at[t * M + r];
+            }
+        ids[r] = id;
+    }
+    free(b->val);
+    free(b->at);
+    free(b->best);
 }
 
 #endif

@@ -1,8 +1,8 @@
 /* A step's plain decoder layers on the CPU in one call: the same kernels, with the same
  * arguments and in the same order, as batchllm/model/decoder.py's loop over layers.py's blocks
  * calls them one ctypes call at a time (so the same values, bit for bit), built and loaded by
- * kernels/cpu/layers.py. The kernels are the other libraries' (linear.c, ops.c, decode.c,
- * prefill.c), reached through the function pointers of a Kernels record.
+ * kernels/cpu/layers.py. The kernels are the other libraries' (linear.c or blocks.c, ops.c,
+ * decode.c, prefill.c), reached through the function pointers of a Kernels record.
  *
  * Why: the loop in Python cost ~11 ms a decode step of SmolLM2-135M's 30 layers outside the
  * kernels (~330 ctypes calls and their torch glue, each run with the caches just emptied by a
@@ -22,6 +22,8 @@
 
 typedef void (*LinearFn)(const float *x, int64_t M, int64_t lda, int64_t K, const float *panels,
                          const float *bias, int64_t N, float *y);
+typedef void (*BlocksFn)(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                         int64_t type, const float *bias, int64_t N, float *y);
 typedef void (*AddRmsNormFn)(float *h, const float *delta, const float *w, float eps, int64_t T,
                              int64_t H, float *out);
 typedef int (*RopeFn)(float *x, int64_t T, int64_t stride, int64_t heads, int64_t D,
@@ -58,12 +60,15 @@ typedef struct {
     DecodeFn decode;
     ChunksFn chunks;
     PrefixFn prefix;
+    BlocksFn blocks; /* NULL where blocks.c is not built (then no projection has blocks) */
 } Kernels;
 
-typedef struct { /* a projection, as cpu_linear takes it */
+typedef struct { /* a projection, as cpu_linear takes it, or as GGUF blocks (blocks.c) */
     const float *panels;
     const float *bias;
     int64_t n;
+    const uint8_t *blocks; /* NULL: the panels */
+    int64_t type;          /* GGML's type id of the blocks */
 } Projection;
 
 typedef struct { /* one layer's weights, rotary tables and cache */
@@ -98,7 +103,11 @@ typedef struct { /* one step: its tokens, its attention's tables, its buffers */
 
 static void project(const Kernels *k, const Projection *p, const float *x, int64_t rows,
                     int64_t K, float *y) {
-    if (rows) k->linear(x, rows, K, K, p->panels, p->bias, p->n, y);
+    if (!rows) return;
+    if (p->blocks)
+        k->blocks(x, rows, K, K, p->blocks, p->type, p->bias, p->n, y);
+    else
+        k->linear(x, rows, K, K, p->panels, p->bias, p->n, y);
 }
 
 /* o [T, Hq, D] (zeros) and lse [T, Hq] (-inf), then each part of the step's attention into them */

@@ -2,7 +2,7 @@
 records it takes, as ctypes structures, and the other libraries' kernels it calls.
 
 The records mirror layers.c's field for field. `kernels()` fills the Kernels record from the
-linear, ops, decode and prefill libraries (None where one of them is not built); the caller
+linear, ops, decode, prefill and blocks libraries (None where one of them is not built); the caller
 (batchllm/model/cpu_layers.py) fills one Layer a layer at load and one Step a step.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from kernels.cpu import decode, linear, ops, prefill
+from kernels.cpu import blocks, decode, linear, ops, prefill
 from kernels.cpu.build import load_library
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
@@ -19,11 +19,12 @@ _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
 class Kernels(ctypes.Structure):
     _fields_ = [(name, _p) for name in ("linear", "add_rms_norm", "rope", "silu_mul",
-                                        "store_kv", "decode", "chunks", "prefix")]
+                                        "store_kv", "decode", "chunks", "prefix",
+                                        "blocks")]
 
 
 class Projection(ctypes.Structure):
-    _fields_ = [("panels", _p), ("bias", _p), ("n", _i64)]
+    _fields_ = [("panels", _p), ("bias", _p), ("n", _i64), ("blocks", _p), ("type", _i64)]
 
 
 class Layer(ctypes.Structure):
@@ -62,7 +63,8 @@ def load() -> ctypes.CDLL | None:
 
 @functools.cache
 def kernels() -> Kernels | None:
-    """The Kernels record of the built libraries; None where any of them is not built."""
+    """The Kernels record of the built libraries; None where any of them is not built (the
+    block kernel's entry is NULL where it is not: then no projection holds blocks)."""
     libs = [m.load() for m in (linear, ops, decode, prefill)]
     if any(lib is None for lib in libs) or load() is None:
         return None
@@ -70,6 +72,8 @@ def kernels() -> Kernels | None:
     fns = (lin.cpu_linear, pointwise.cpu_add_rms_norm, pointwise.cpu_rope,
            pointwise.cpu_silu_mul, pointwise.cpu_store_kv, dec.cpu_decode_attention,
            pre.cpu_prefill_attention, pre.cpu_prefix_attention)
+    block_lib = blocks.load()
+    fns += (block_lib.cpu_blocks_linear,) if block_lib is not None else ()
     return Kernels(*(ctypes.cast(f, _p).value for f in fns))
 
 

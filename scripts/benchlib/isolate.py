@@ -9,7 +9,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from .settings import SETTINGS, skipped
+from .settings import setting_names
 
 
 def isolated(args: argparse.Namespace, script: Path, argv: list[str]) -> tuple[list[dict], dict,
@@ -24,8 +24,7 @@ def isolated(args: argparse.Namespace, script: Path, argv: list[str]) -> tuple[l
         if flag in child_args:
             i = child_args.index(flag)
             del child_args[i : i + 2]
-    skip = skipped(args)
-    names = [n for n in SETTINGS if not skip[n]]
+    names = setting_names(args)
     runs: dict[str, list[dict]] = {n: [] for n in names}
     env: dict = {}
     with tempfile.TemporaryDirectory() as tmp:

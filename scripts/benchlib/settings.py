@@ -27,6 +27,57 @@ SETTINGS = ("hf-static", "hf-continuous", "vllm", "batchllm-sharing", "batchllm-
             "batchllm-sharing-nographs", "batchllm-no-sharing-nographs", "batchllm-json")
 
 
+# --weights / --isa: the batchllm settings again with a GGUF model's float32 conversion instead
+# of its blocks (model/gguf_blocks.py), or with the C kernels' AVX2 build; a variant is a suffix
+# of the setting's name and the environment its process runs with
+WEIGHTS = {"blocks": ("", {"BATCHLLM_GGUF_BLOCKS": "1"}),
+           "float32": ("+f32", {"BATCHLLM_GGUF_BLOCKS": "0"})}
+ISAS = {"native": ("", {"BATCHLLM_CPU_ISA": None}), "avx2": ("+avx2", {"BATCHLLM_CPU_ISA": "avx2"})}
+
+
+def _chosen(value: str, choices: dict) -> list[str]:
+    return list(choices) if value == "both" else [value]
+
+
+def variants(args: argparse.Namespace) -> dict[str, dict[str, str | None]]:
+    """Each batchllm variant's name suffix -> its environment (None: unset)."""
+    out = {}
+    for w in _chosen(getattr(args, "weights", "blocks"), WEIGHTS):
+        for i in _chosen(getattr(args, "isa", "native"), ISAS):
+            out[WEIGHTS[w][0] + ISAS[i][0]] = {**WEIGHTS[w][1], **ISAS[i][1]}
+    return out
+
+
+def setting_names(args: argparse.Namespace) -> list[str]:
+    """The settings the command line runs, the batchllm ones once per variant."""
+    skip = skipped(args)
+    names = []
+    for n in SETTINGS:
+        if not skip[n]:
+            names += [n + v for v in variants(args)] if n.startswith("batchllm") else [n]
+    return names
+
+
+def _set_env(env: dict[str, str | None]) -> None:
+    for key, value in env.items():
+        if value is None:
+            os.environ.pop(key, None)
+        else:
+            os.environ[key] = value
+
+
+def _with_env(env: dict[str, str | None], fn: Callable[[], dict]) -> Callable[[], dict]:
+    """fn run with `env` set (None: unset), the environment as it was afterwards."""
+    def run() -> dict:
+        saved = {k: os.environ.get(k) for k in env}
+        _set_env(env)
+        try:
+            return fn()
+        finally:
+            _set_env(saved)
+    return run
+
+
 def skipped(args: argparse.Namespace) -> dict[str, bool]:
     """Per setting: whether the command line skips it (vllm runs only with --vllm-python)."""
     return {"hf-static": args.skip_hf or args.skip_hf_static,
@@ -62,7 +113,7 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
           f"threads "
           f"{torch.get_num_threads()}", file=sys.stderr)
 
-    wanted = {args.only} if args.only is not None else set(SETTINGS)
+    wanted = ({args.only.split("+")[0]} if args.only is not None else set(SETTINGS))
     skip = skipped(args)
     runs: list[tuple[str, Callable[[], dict]]] = []
     # --hf-rows N: the transformers baselines on the first N rows only (their rates compare)
@@ -94,7 +145,8 @@ def run_settings(args: argparse.Namespace) -> tuple[list[dict], dict]:
                     "engine_kwargs": {"page_size": args.page_size, "prefix_sharing": sharing,
                                       "device": args.device, "dtype": args.dtype,
                                       "cuda_graphs": graphs}}
-        runs.append((name, lambda s=settings: run_batchllm(s)))
+        for suffix, env in variants(args).items():
+            runs.append((name + suffix, _with_env(env, lambda s=settings: run_batchllm(s))))
 
     if args.only is not None:
         runs = [(name, fn) for name, fn in runs if name == args.only]

@@ -1,0 +1,262 @@
+/* y [M, N] = x [M, K] W^T + b on the CPU, float32 sums, with W as a GGUF file's quantized
+ * blocks, read as they lie in the file: N rows of K / 32 blocks each (GGML's Q8_0, Q4_0, Q4_1),
+ * built and loaded by kernels/cpu/blocks.py; and the same product reduced to each row's argmax.
+ *
+ * Blocks of 32 weights along k:
+ *   Q8_0  34 bytes: fp16 d, 32 int8 q             w = d * q
+ *   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles   w = d * (q - 8)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes      w = d * q + m (rounded twice, no FMA)
+ * (byte j's low nibble is weight j, its high nibble weight j + 16): the values, bit for bit, of
+ * gguf.quants.dequantize in float32, which transformers loads.
+ *
+ * Each thread takes 16 rows of W at a time (one panel of tile.h), dequantizes their blocks
+ * 128 steps of k at a time into a panel [128, 16] float32 of its own (8 KB, in L1; 8 rows at a
+ * time, their bytes transposed by AVX2 shuffles, with AVX-512 too) and runs linear.c's FMA
+ * tiles over it, the rows' running sums kept between the steps: every y[r, j] is the same
+ * chain of FMAs over k, bias first, as cpu_linear's over the dequantized weights, so the two
+ * products are equal bit for bit. The weight stream from memory is the blocks': 5/32 (Q4_1)
+ * to 17/64 (Q8_0) of the float32 panels' bytes.
+ */
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+#if defined(__F16C__)
+#include <immintrin.h>
+#endif
+
+#include "tile.h"
+
+enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
+#define QK 32                             /* weights a block */
+#define KC 128 /* steps of k dequantized at a time: a panel of 8 KB */
+/* the most rows a block of rows holds (their running sums, 16 KB, on the thread's stack with
+ * the panel: no heap call a product) */
+#define ACC_ROWS 256
+
+static int64_t block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18; }
+
+/* v as it is, the compiler kept from fusing the multiply before it with the add after it */
+static inline float kept(float v) {
+#if defined(__x86_64__)
+    __asm__("" : "+x"(v));
+#else
+    volatile float t = v;
+    v = t;
+#endif
+    return v;
+}
+
+static inline float half_to_float(uint16_t h) {
+#if defined(__F16C__)
+    return _cvtsh_ss(h);
+#else
+    const uint32_t sign = (uint32_t)(h >> 15) << 31, exp = (h >> 10) & 31, man = h & 1023;
+    uint32_t bits = sign;
+    float f;
+    if (exp == 31) {
+        bits |= 0x7f800000u | (man << 13);
+    } else if (exp) {
+        bits |= ((exp + 112) << 23) | (man << 13);
+    } else if (man) { /* subnormal: man 2^-24, exact */
+        f = (float)man * 5.9604644775390625e-8f;
+        memcpy(&bits, &f, 4);
+        bits |= sign;
+    }
+    memcpy(&f, &bits, 4);
+    return f;
+#endif
+}
+
+static inline uint16_t u16(const uint8_t *p) { return (uint16_t)(p[0] | p[1] << 8); }
+
+#if defined(__AVX2__) /* AVX-512 builds too: the tiles are 16 wide there, this 8 */
+#define LANES 8
+static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16 */
+    const __m256i lo = _mm256_and_si256(v, _mm256_set1_epi32(0xFFFF));
+    const __m256i words = _mm256_permute4x64_epi64(_mm256_packus_epi32(lo, lo), 0x08);
+    return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
+}
+#define srli _mm256_srli_epi32
+#define srai _mm256_srai_epi32
+#define and_ _mm256_and_si256
+#define sub _mm256_sub_epi32
+#define set1 _mm256_set1_epi32
+#define cvt _mm256_cvtepi32_ps
+#define mul _mm256_mul_ps
+#define add _mm256_add_ps
+#define store _mm256_store_ps
+#define KEEP(v) __asm__("" : "+x"(v))
+#endif
+
+#ifdef LANES
+/* Without gathers (microcoded on AMD's Zen 2 and 3, where they cost more than these shuffles
+ * here): c[g] = 16 bytes at p[r] + at of 8 rows transposed, dword t of lane 0 holding byte
+ * 4g + t of rows 0-3, of lane 1 rows 4-7 */
+static inline void transpose8x16(const uint8_t *const p[8], int64_t at, __m256i c[4]) {
+    __m256i a[4];
+    for (int i = 0; i < 4; i++)
+        a[i] = _mm256_loadu2_m128i((const __m128i *)(p[i + 4] + at),
+                                   (const __m128i *)(p[i] + at));
+    const __m256i b0 = _mm256_unpacklo_epi8(a[0], a[1]), b1 = _mm256_unpackhi_epi8(a[0], a[1]);
+    const __m256i b2 = _mm256_unpacklo_epi8(a[2], a[3]), b3 = _mm256_unpackhi_epi8(a[2], a[3]);
+    c[0] = _mm256_unpacklo_epi16(b0, b2);
+    c[1] = _mm256_unpackhi_epi16(b0, b2);
+    c[2] = _mm256_unpacklo_epi16(b1, b3);
+    c[3] = _mm256_unpackhi_epi16(b1, b3);
+}
+
+/* byte 4g + t of the 8 rows (c[g] of transpose8x16) as 8 dwords: in the low byte (zero
+ * extended), or in the high byte (high: then shifted down, sign extended) */
+static inline __m256i byte_of(__m256i c, int t, int high) {
+    int8_t m[16];
+    for (int i = 0; i < 16; i++) m[i] = (int8_t)0x80;
+    for (int i = 0; i < 4; i++) m[4 * i + (high ? 3 : 0)] = (int8_t)(4 * t + i);
+    const __m128i mask = _mm_loadu_si128((const __m128i *)m);
+    const __m256i v = _mm256_shuffle_epi8(c, _mm256_broadcastsi128_si256(mask));
+    return high ? _mm256_srai_epi32(v, 24) : v;
+}
+
+/* 8 rows' blocks (row r's at p[r]) dequantized into out[k * NR + r], k < 32 */
+static inline void dequant_rows8(int type, const uint8_t *const p[8], float *out) {
+    int32_t head[8];
+    for (int r = 0; r < 8; r++) memcpy(&head[r], p[r], 4);
+    const __m256i h = _mm256_loadu_si256((const __m256i *)head);
+    const __m256 d = halves(h);
+    __m256i c[4];
+    if (type == Q8_0) {
+        for (int half = 0; half < 2; half++) {
+            transpose8x16(p, 2 + 16 * half, c);
+#pragma GCC unroll 16
+            for (int j = 0; j < 16; j++)
+                store(out + (16 * half + j) * NR, mul(d, cvt(byte_of(c[j / 4], j % 4, 1))));
+        }
+        return;
+    }
+    const int q4_1 = type == Q4_1;
+    const __m256 m = halves(srli(h, 16));
+    const __m256i nib = _mm256_set1_epi8(15), eight = set1(8);
+    transpose8x16(p, q4_1 ? 4 : 2, c);
+#pragma GCC unroll 4
+    for (int g = 0; g < 4; g++) {
+        const __m256i lo = and_(c[g], nib), hi = and_(_mm256_srli_epi16(c[g], 4), nib);
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            const __m256i ql = byte_of(lo, t, 0), qh = byte_of(hi, t, 0);
+            if (q4_1) {
+                __m256 wl = mul(d, cvt(ql)), wh = mul(d, cvt(qh));
+                KEEP(wl);
+                KEEP(wh);
+                store(out + (4 * g + t) * NR, add(wl, m));
+                store(out + (16 + 4 * g + t) * NR, add(wh, m));
+            } else {
+                store(out + (4 * g + t) * NR, mul(d, cvt(sub(ql, eight))));
+                store(out + (16 + 4 * g + t) * NR, mul(d, cvt(sub(qh, eight))));
+            }
+        }
+    }
+}
+#endif
+
+/* blocks kb0 .. kb0 + kbn - 1 of rows 0 .. cols - 1 of w (rb bytes a row) dequantized into
+ * panel [32 kbn, 16] (64-byte aligned); the columns past cols repeat the last row (never
+ * written out: tile.h). The next panel's rows are asked for into L2 meanwhile, as far into
+ * them as these blocks are into these rows. */
+static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, int64_t kbn,
+                          int64_t cols, float *panel) {
+    const int64_t bb = block_bytes(type);
+#ifdef LANES
+    int64_t off[NR];
+    for (int i = 0; i < NR; i++) off[i] = (i < cols ? i : cols - 1) * rb;
+    const uint8_t *next = w + NR * rb;
+    for (int64_t kb = kb0; kb < kb0 + kbn; kb++) {
+        for (int64_t at = kb * NR * bb; at < (kb + 1) * NR * bb; at += 64)
+            _mm_prefetch((const char *)(next + at), _MM_HINT_T1);
+        for (int h = 0; h < NR / LANES; h++) {
+            const uint8_t *p[LANES];
+            for (int r = 0; r < LANES; r++) p[r] = w + kb * bb + off[h * LANES + r];
+            dequant_rows8(type, p, panel + (kb - kb0) * QK * NR + h * LANES);
+        }
+    }
+#else
+    for (int i = 0; i < NR; i++) {
+        const uint8_t *row = w + (i < cols ? i : cols - 1) * rb;
+        for (int64_t kb = kb0; kb < kb0 + kbn; kb++) {
+            const uint8_t *b = row + kb * bb;
+            const float d = half_to_float(u16(b));
+            float *out = panel + (kb - kb0) * QK * NR + i;
+            if (type == Q8_0) {
+                for (int k = 0; k < QK; k++) out[k * NR] = d * (float)(int8_t)b[2 + k];
+                continue;
+            }
+            const float m = type == Q4_1 ? half_to_float(u16(b + 2)) : 0.f;
+            const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
+            for (int k = 0; k < QK; k++) {
+                const int q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
+                out[k * NR] = type == Q4_1 ? kept(d * (float)q) + m : d * (float)(q - 8);
+            }
+        }
+    }
+#endif
+}
+
+/* The product over every panel of 16 rows of W, in parallel over them (per-thread bests in
+ * bests[thread]), rows in blocks as linear.c's; each panel dequantized KC steps of k at a time
+ * into a panel of its own that stays in L1, the rows' running sums kept in between */
+static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                    int type, const float *bias, int64_t N, float *y, Best *bests) {
+    const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
+    int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
+    if (block < 96) block = 96;
+    if (block > ACC_ROWS) block = ACC_ROWS;
+#pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float panel[KC * NR] __attribute__((aligned(64))), acc[ACC_ROWS * NR];
+        for (int64_t m0 = 0; m0 < M; m0 += block) {
+            const int64_t m1 = m0 + block < M ? m0 + block : M;
+#pragma omp for schedule(static) nowait
+            for (int64_t p = 0; p < count; p++) {
+                const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+                for (int64_t k0 = 0; k0 < K; k0 += KC) {
+                    const int64_t kn = K - k0 < KC ? K - k0 : KC;
+                    dequant_panel(w + p * NR * rb, type, rb, k0 / QK, kn / QK, cols, panel);
+                    panel_rows(x, lda, K, panel, k0, kn, acc, bias ? bias + p * NR : 0, y,
+                               bests ? bests + thread : 0, N, p, m0, m1);
+                }
+            }
+        }
+    }
+}
+
+/* x [M, K] (row stride lda, K a multiple of 32), w [N, K / 32] blocks of GGML type `type`,
+ * contiguous, bias [16 ceil(N / 16)] or NULL, y [M, N] contiguous */
+void cpu_blocks_linear(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                       int64_t type, const float *bias, int64_t N, float *y) {
+    product(x, M, lda, K, w, (int)type, bias, N, y, 0);
+}
+
+/* ids [M] = argmax over j of (x W^T + b)[r, j], y never written (linear.c's rule) */
+void cpu_blocks_linear_argmax(const float *x, int64_t M, int64_t lda, int64_t K,
+                              const uint8_t *w, int64_t type, const float *bias, int64_t N,
+                              int64_t *ids) {
+    Bests b = bests_new(M);
+    product(x, M, lda, K, w, (int)type, bias, N, 0, b.best);
+    bests_merge(&b, M, ids);
+}
+
+/* panels [ceil(N / 16), K, 16] = W's blocks dequantized, as the products see them */
+void cpu_blocks_dequantize(const uint8_t *w, int64_t type, int64_t K, int64_t N,
+                           float *panels) {
+    const int64_t rb = K / QK * block_bytes((int)type);
+    for (int64_t p = 0; p < (N + NR - 1) / NR; p++)
+        dequant_panel(w + p * NR * rb, (int)type, rb, 0, K / QK,
+                      N - p * NR < NR ? N - p * NR : NR, panels + p * K * NR);
+}

@@ -1,0 +1,74 @@
+"""A GGUF file's projections read as their blocks (batchllm/model/gguf_blocks.py): under the
+Hugging Face names, q/k rows un-permuted as transformers does, their values gguf's dequantized
+ones; on a file written here and on the default model's own Q4_1 file, against the float32
+folder transformers converted from it."""
+
+import numpy as np
+import pytest
+import torch
+
+from batchllm.model.gguf_blocks import BlockWeight, holds_blocks, read_blocks
+from tests.gguf_files import dequantized, random_weight, write_gguf
+
+
+def unpermuted(w: np.ndarray, heads: int) -> np.ndarray:
+    """transformers' LlamaTensorProcessor._reverse_permute_weights, on a dequantized weight."""
+    d = w.shape[0] // heads // 2
+    return w.reshape(heads, d, 2, w.shape[1]).swapaxes(2, 1).reshape(w.shape)
+
+
+def test_blocks_of_a_written_file_under_their_hf_names(tmp_path):
+    gen = np.random.default_rng(1)
+    hq, hkv, d, h = 4, 2, 16, 64
+    tensors = {"blk.0.attn_q.weight": (random_weight(gen, hq * d, h), "Q4_1"),
+               "blk.0.attn_k.weight": (random_weight(gen, hkv * d, h), "Q8_0"),
+               "blk.0.attn_v.weight": (random_weight(gen, hkv * d, h), "Q4_0"),
+               "blk.0.ffn_down.weight": (random_weight(gen, h, 96), "Q4_1"),
+               "blk.0.ffn_up.weight": (random_weight(gen, 96, h), "F32"),
+               "token_embd.weight": (random_weight(gen, 50, h), "Q8_0")}
+    path = write_gguf(tmp_path / "m.gguf", tensors, heads=(hq, hkv))
+    values = dequantized(path)
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.self_attn.v_proj.weight", "model.layers.0.mlp.down_proj.weight",
+             "model.layers.0.mlp.up_proj.weight", "model.layers.0.input_layernorm.weight",
+             "model.embed_tokens.weight", "lm_head.weight"]
+    got = read_blocks(path, names, tied=True)
+    # F32, norms and the embedding (looked up, not multiplied) stay the folder's
+    assert sorted(got) == sorted(names[:4] + ["lm_head.weight"])
+    want = {names[0]: unpermuted(values["blk.0.attn_q.weight"], hq),
+            names[1]: unpermuted(values["blk.0.attn_k.weight"], hkv),
+            names[2]: values["blk.0.attn_v.weight"], names[3]: values["blk.0.ffn_down.weight"],
+            "lm_head.weight": values["token_embd.weight"]}
+    for name, w in want.items():
+        assert got[name].shape == w.shape and torch.equal(got[name].dequantize(),
+                                                          torch.from_numpy(w)), name
+    assert got[names[0]].kind == "Q4_1" and got[names[1]].kind == "Q8_0"
+    assert read_blocks(path, ["lm_head.weight"], tied=False) == {}  # untied: no output.weight
+    joined = BlockWeight.cat([got[names[3]], got[names[3]]])
+    assert joined.shape == (2 * h, 96) and torch.equal(joined.blocks[h:], got[names[3]].blocks)
+    assert holds_blocks([joined]) and not holds_blocks(torch.zeros(1))
+    with pytest.raises(ValueError, match="share"):
+        BlockWeight.cat([got[names[0]], got[names[1]]])
+
+
+def test_the_default_models_blocks_are_its_converted_weights():
+    """SmolLM2's Q4_1 file: every projection of two layers and the tied lm_head (Q8_0), read
+    as blocks and dequantized, equal the folder transformers converted, bit for bit."""
+    from safetensors import safe_open
+
+    from batchllm.model.gguf import ALIASES, alias_folder, source_file
+
+    folder = alias_folder("smollm2-135m-instruct")
+    gguf_path = source_file(folder)
+    assert gguf_path is not None and gguf_path.name == ALIASES["smollm2-135m-instruct"][2]
+    projections = [f"model.layers.{i}.{p}.weight" for i in (0, 29) for p in (
+        "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+        "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")]
+    got = read_blocks(gguf_path, [*projections, "lm_head.weight"], tied=True)
+    assert {w.kind for n, w in got.items() if n != "lm_head.weight"} == {"Q4_1"}
+    assert got["lm_head.weight"].kind == "Q8_0"
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        for name in projections:
+            assert torch.equal(got[name].dequantize(), f.get_tensor(name)), name
+        assert torch.equal(got["lm_head.weight"].dequantize(),
+                           f.get_tensor("model.embed_tokens.weight"))
