@@ -12,8 +12,11 @@ applied here to the rows of blocks, the same rows in the same order.
 
 `take_blocks` puts them in a model's state in place of the converted folder's float32 weights
 (whose pages are then never read), where the model runs on the CPU in float32 from a folder
-batchllm converted from a .gguf file; BATCHLLM_GGUF_BLOCKS=0 keeps the float32 conversion
-(what scripts/bench.py compares the blocks with).
+batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. Off by default: on a 2-core
+AVX2 EPYC the block kernel is faster than the float32 panels at 1 row a step but slower from
+~16 (unpacking a block costs what its smaller stream saves), so the short and contract
+workloads ran 10-15% slower from blocks (scripts/bench.py --weights both, README); the same bits
+either way (tests/test_gguf_engine.py).
 """
 
 from __future__ import annotations
@@ -130,7 +133,7 @@ def take_blocks(folder: Path, state: MutableMapping, tied: bool,
     from batchllm.model.gguf import source_file
 
     path = source_file(folder)
-    if path is None or os.environ.get("BATCHLLM_GGUF_BLOCKS", "1") == "0":
+    if path is None or os.environ.get("BATCHLLM_GGUF_BLOCKS", "0") != "1":
         return 0
     names = [n for n in state if attention or ".self_attn." not in n]
     if tied and "lm_head.weight" not in state:
