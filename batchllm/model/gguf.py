@@ -2,9 +2,9 @@
 package) or a .gguf file named by model.path is dequantized once by transformers into a cached
 folder (cache_root()/models/<alias>, or models/gguf-<name>-<key> keyed by the file's path, size
 and modification time); later uses reuse that folder. The folder gives the config, the
-tokenizer, the norms and the embedding; on the CPU in float32 the projections then run from the
-file's own Q8_0/Q4_0/Q4_1 blocks (gguf_blocks.py, found through the marker: `source_file`), and
-the folder's float32 copies of them are never read."""
+tokenizer, the norms and the embedding; with BATCHLLM_GGUF_BLOCKS=1, on the CPU in float32, the
+projections run from the file's own Q8_0/Q4_0/Q4_1 blocks (gguf_blocks.py, found through the
+marker: `source_file`), and the folder's float32 copies of them are never read."""
 
 from __future__ import annotations
 
