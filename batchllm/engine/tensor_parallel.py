@@ -44,9 +44,7 @@ def _free_port() -> int:
 
 
 def _init(rank: int, n: int, port: int, device: torch.device) -> None:
-    backend = "nccl" if device.type == "cuda" else "gloo"
-    if device.type == "cuda":
-        torch.cuda.set_device(rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"  # the rank's GPU is current already
     dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=n, timeout=timedelta(seconds=600))
 
