@@ -226,9 +226,9 @@ def _run_local(cfg: JobConfig, source: InputRows, writer: CheckpointWriter, done
     phases.notes["panel_cache"] = runtime.loaded.panel_cache
     with phases.timed("tokenize"):
         rows = build_table(runtime.tokenizer, cfg.input, cfg.sampling, source,
-                           keep_prompt=cfg.output.include_prompt)
+                           keep_prompt=cfg.output.include_prompt, release_input=True)
     if source.prompts is not None:  # never read again (the table holds what it needs): ~110 B
-        source.prompts.clear()  # a row of a short prompt, held by the caller until the end
+        source.prompts.clear()  # a row of a short prompt, let go block by block above
 
     def on_row(row) -> None:
         writer.add(row)  # a copy, written with the next part

@@ -25,8 +25,9 @@ import numpy as np
 
 from batchllm.plan.arrays import RangeMin, concat_ranges, node_depths
 
-_WINDOW_ELEMS = 1 << 25  # tokens compared per refinement round; bounds the temporaries
+_WINDOW_ELEMS = 1 << 25  # a round with more members compares fewer tokens a member (>= 4)
 _MAX_WIDTH = 64  # longer windows waste more compares where a group splits
+_CHUNK_ELEMS = 1 << 20  # tokens of the windows compared at once (a few MiB, whatever the job)
 _END = np.iinfo(np.int64).min  # split key of "the prompt ends here": sorts before every token
 
 
@@ -44,6 +45,22 @@ def _windows(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
     if len(late):
         out[late] = tokens[np.minimum(starts[late, None] + np.arange(width), len(tokens) - 1)]
     return out
+
+
+def _agreement(tokens: np.ndarray, at: np.ndarray, head_at: np.ndarray,
+               width: int) -> np.ndarray:
+    """[M] how many of the `width` tokens from `at` equal those from `head_at` before the first
+    difference (width when all do). Compared _CHUNK_ELEMS tokens at a time: the windows of a
+    whole round (2 x M x width ids and M x width flags, ~580 bytes a row at width 64) would
+    be the plan's largest temporary, growing with the job's rows."""
+    agree = np.empty(len(at), np.int64)
+    step = max(1, _CHUNK_ELEMS // width)
+    for lo in range(0, len(at), step):
+        hi = lo + step
+        neq = _windows(tokens, at[lo:hi], width) != _windows(tokens, head_at[lo:hi], width)
+        first = neq.argmax(axis=1)
+        agree[lo:hi] = np.where(neq[np.arange(len(first)), first], first, width)
+    return agree
 
 
 def _sort_with_lcp(
@@ -64,10 +81,8 @@ def _sort_with_lcp(
         rows = order[pos]
         rem = lengths[rows] - g_depth[gi]  # tokens left past the group's depth
         width = int(max(1, min(rem.max(), _MAX_WIDTH, max(4, _WINDOW_ELEMS // len(gi)))))
-        win = _windows(tokens, starts[rows] + g_depth[gi], width)  # [M, width]
-        neq = win != np.repeat(win[head], sizes, axis=0)
-        first = neq.argmax(axis=1)
-        agree = np.where(neq[np.arange(len(gi)), first], first, width)
+        at = starts[rows] + g_depth[gi]  # [M] where each member's window starts
+        agree = _agreement(tokens, at, at[head][gi], width)
         agree = np.minimum(np.minimum(agree, rem), np.repeat(rem[head], sizes))
         shared = np.minimum.reduceat(agree, head)  # [G] tokens all members share past depth
         split = shared < width
@@ -75,7 +90,9 @@ def _sort_with_lcp(
         idx = np.flatnonzero(split[gi])
         if len(idx):
             sg, cut = gi[idx], shared[gi[idx]]
-            key = np.where(cut < rem[idx], win[idx, cut].astype(np.int64), _END)
+            inside = cut < rem[idx]  # the token at the first disagreement, or the prompt's end
+            key = np.full(len(idx), _END, np.int64)
+            key[inside] = tokens[at[idx][inside] + cut[inside]]
             srt = np.lexsort((key, sg))  # stable: equal prompts keep input order
             sg, key, sp = sg[srt], key[srt], pos[idx]
             order[sp] = rows[idx][srt]

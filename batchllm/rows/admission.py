@@ -70,12 +70,26 @@ def _sampling_problem(sampling: SamplingParams) -> str:
 
 def admit_table(table: RowTable, max_model_len: int) -> tuple[RowTable, list[Row]]:
     """`admit` over a RowTable: (the rows that can run, as a table, their max_tokens capped;
-    the others as failed Rows, in order). The same rule, each distinct setting checked once."""
+    the others as failed Rows, in order). The same rule, each distinct setting checked once;
+    only the rows the rule may touch (an error, a setting's problem, an empty or too long
+    prompt, a max_tokens past the model's room) go through it one by one, the others are kept
+    as they are, with no Python object made for them. The table itself when every row is
+    kept (no copy of its arrays)."""
     checked = [_sampling_problem(s) for s in table.settings]
+    lengths = table.prompt_tokens()  # [N] int64
+    odd, limit = np.zeros(len(checked), bool), np.zeros(len(checked), np.int64)
+    for k, (s, why) in enumerate(zip(table.settings, checked)):
+        mt = s.max_tokens
+        odd[k] = bool(why) or not isinstance(mt, int) or not 0 <= mt < 1 << 62
+        limit[k] = 0 if odd[k] else mt
+    touch = (odd[table.setting] | (lengths == 0) | (lengths >= max_model_len)
+             | (limit[table.setting] > max_model_len - lengths))
+    if table.errors:
+        touch[list(table.errors)] = True
     capped: dict[tuple[int, int], int] = {}  # (setting, room) -> the capped setting's position
-    keep, failed = [], []
-    lengths = table.prompt_tokens().tolist()
-    for k, (s, n) in enumerate(zip(table.setting.tolist(), lengths)):
+    drop, failed = [], []
+    for k in np.flatnonzero(touch).tolist():
+        s, n = int(table.setting[k]), int(lengths[k])
         sampling = table.settings[s]
         try:
             why = problem_of(table.errors.get(k), sampling, n, max_model_len, checked[s])
@@ -87,10 +101,13 @@ def admit_table(table: RowTable, max_model_len: int) -> tuple[RowTable, list[Row
                 table.setting[k] = capped[s, room]
         except Exception as e:  # noqa: BLE001 - the guard of one row
             why = f"{type(e).__name__}: {e}"
-        if why is None:
-            keep.append(k)
-        else:
+        if why is not None:
             row = table[k]
             row.fail(why)
             failed.append(row)
-    return table.taken(np.asarray(keep, np.int64)), failed
+            drop.append(k)
+    if not drop:
+        return table, failed
+    keep = np.ones(len(table), bool)
+    keep[drop] = False
+    return table.taken(np.flatnonzero(keep)), failed

@@ -105,25 +105,35 @@ def build_rows(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inpu
 
 
 def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: InputRows,
-                first_index: int = 0, keep_prompt: bool = True) -> RowTable:
+                first_index: int = 0, keep_prompt: bool = True,
+                release_input: bool = False) -> RowTable:
     """The input rows as a RowTable, in order; rows[i] gets index first_index + i (a block of a
     larger input starts past 0). keep_prompt: keep the rendered text (output.include_prompt).
     Rendered and tokenized _BATCH rows at a time: what a block makes (texts, one array per row)
-    is packed before the next, so that only the packed ids grow with the job."""
+    is packed before the next, so that only the packed ids grow with the job. The ids are
+    uint16 when every id is below 65,536 (SmolLM2's and Llama 2's vocabularies: 2 bytes a
+    token, not 4), else int32. release_input: each block's input prompt texts are let go
+    (rows.prompts[i] = None) once tokenized, so that the texts and the ids never all coexist
+    (the caller reads them no more: the job)."""
     n = rows.num_rows
     errors: dict[int, str] = {}
     lengths = np.full(n, -1, np.int32)
     blocks: list[np.ndarray] = []  # each block's ids, packed
     kept: list[str | None] | None = [None] * n if keep_prompt else None
     for lo in range(0, n, _BATCH):
-        ids, texts = _tokenized(tokenizer, cfg, rows, range(lo, min(n, lo + _BATCH)), errors)
+        positions = range(lo, min(n, lo + _BATCH))
+        ids, texts = _tokenized(tokenizer, cfg, rows, positions, errors)
         for i, toks in ids.items():
             lengths[i] = len(toks)
-        blocks.append(np.concatenate([ids[i] for i in sorted(ids)] or [np.zeros(0, np.int32)]))
+        blocks.append(_narrow(np.concatenate([ids[i] for i in sorted(ids)]
+                                             or [np.zeros(0, np.int32)])))
         if kept is not None:
             for i, text in texts.items():
                 kept[i] = text
-    tokens = np.empty(int(np.maximum(lengths, 0).sum()), np.int32)
+        if release_input and rows.prompts is not None:
+            rows.prompts[lo : positions.stop] = [None] * len(positions)
+    dtype = np.uint16 if all(b.dtype == np.uint16 for b in blocks) else np.int32
+    tokens = np.empty(int(np.maximum(lengths, 0).sum()), dtype)
     at = 0
     while blocks:  # copied in and let go one at a time: one block beyond the result
         block = blocks.pop(0)
@@ -133,6 +143,13 @@ def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inp
     starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
     return RowTable(tokens, starts[:n], lengths, first_index + np.arange(n, dtype=np.int64),
                     np.zeros(n, np.int32), setting, settings, rows.ids, errors, kept)
+
+
+def _narrow(ids: np.ndarray) -> np.ndarray:
+    """[L] int32 token ids as uint16 when they all fit (ids are >= 0), else as they are."""
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) > np.iinfo(np.uint16).max):
+        return ids
+    return ids.astype(np.uint16)
 
 
 def _tokenized(tokenizer, cfg: InputConfig, rows: InputRows, positions: range,

@@ -50,7 +50,7 @@ class Row:
 
     index: int
     id: object
-    prompt_ids: np.ndarray | None  # [P] int32; None when the row failed before tokenization
+    prompt_ids: np.ndarray | None  # [P] int32 or uint16; None: failed before tokenization
     sampling: SamplingParams
     prompt: str | None = None  # the rendered prompt text (written when output.include_prompt)
     error: str | None = None  # why the row cannot run or failed, in words a user can act on

@@ -4,7 +4,8 @@ A job of a million rows keeps every row from tokenization until it is written; a
 (each with its id, its token array and its settings) that is several hundred bytes a row, and
 more of the heap that a Python process does not give back. A RowTable holds the same rows as
 
-  tokens    [T] int32    every row's prompt token ids, one after another
+  tokens    [T] uint16   every row's prompt token ids, one after another (int32 when an id
+                         is 65,536 or more: rows/build.py)
   starts    [N] int64    where row k's ids begin in `tokens`
   lengths   [N] int32    how many there are; -1 when the row failed before tokenization
   index     [N] int64    the row's index over all input files (Row.index)
@@ -86,7 +87,8 @@ class RowTable:
         return np.maximum(self.lengths, 0).astype(np.int64)
 
     def packed_tokens(self) -> tuple[np.ndarray, np.ndarray]:
-        """(every row's prompt ids one after another [T'] int32, [N + 1] int64 offsets)."""
+        """(every row's prompt ids one after another [T'] (the table's dtype), [N + 1] int64
+        offsets)."""
         n = self.prompt_tokens()
         offsets = np.concatenate(([0], np.cumsum(n))).astype(np.int64)
         if np.array_equal(self.starts, offsets[:-1]) and len(self.tokens) == offsets[-1]:
