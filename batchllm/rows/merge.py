@@ -37,7 +37,10 @@ KEYS = ["row", "sample", "samples"]
 # 24,000 rows with logprobs 5 (1.3 KB a line) merged in one group and finalize's peak grew by
 # 142 MiB, against 66 MiB at 4,000 rows (scripts/measure_row_memory.py's job).
 GROUP_BYTES = 4 << 20
-MAX_GROUPS = 512  # spill files open at once
+# Spill files open at once: each open IPC writer holds buffers of its own (~1 MiB measured;
+# ~3.5 with lz4, whose frame contexts made _spill's peak grow ~1 KB a line from 4,000 to 24,000
+# lines), so their number is bounded, and past MAX_GROUPS groups a group holds more lines.
+MAX_GROUPS = 64
 # write_final(groups in order, the final schema with its metadata, the output file)
 FinalWriter = Callable[[Iterator[pa.Table], pa.Schema, IO[bytes]], None]
 
@@ -79,6 +82,22 @@ def _index(parts: list[Part]) -> tuple[np.ndarray, pa.Table]:
     return position, keys.take(kept)
 
 
+def _line_bytes(parts: list[Part], schema: pa.Schema) -> float:
+    """About how many bytes of memory a line takes once read: the larger of the parts' own
+    figure (Parquet's uncompressed bytes, after its dictionary and run-length encodings: for
+    lines that repeat each other, such as log-probability structs, a fraction of their Arrow
+    size) and the Arrow size of the largest part's lines. With the Parquet figure alone, a job
+    of 24,000 like lines (16 tokens, logprobs 5) made one group of all its lines: finalize's
+    peak grew by ~3.9 KB a line."""
+    total = sum(p.keys.num_rows for p in parts)
+    encoded = sum(p.nbytes for p in parts) / max(total, 1)
+    big = max(parts, key=lambda p: p.keys.num_rows, default=None)
+    if big is None or not big.keys.num_rows:
+        return encoded
+    table = pq.read_table(storage.arrow_source(big.path), columns=schema.names)
+    return max(encoded, table.nbytes / table.num_rows)
+
+
 def _groups(lines: pa.Table, line_bytes: float, group_bytes: int) -> np.ndarray:
     """[K] the output group of each kept line: whole rows, about group_bytes a group."""
     rows = lines["row"].to_numpy()
@@ -98,7 +117,7 @@ def _spill(parts: list[Part], position: np.ndarray, group: np.ndarray, schema: p
     log-probabilities."""
     paths = [os.path.join(folder, f"group-{g:05d}.arrow") for g in range(int(group.max()) + 1)]
     writers: dict[int, pa.ipc.RecordBatchFileWriter] = {}
-    options = pa.ipc.IpcWriteOptions(compression="lz4")
+    options = pa.ipc.IpcWriteOptions(compression=None)  # no codec context per writer
     logprobs = False
     offset = 0
     try:
@@ -157,8 +176,7 @@ def merge_parts(parts: list[Part], part_schema: pa.Schema, output: str, parts_di
     position, lines = _index(parts)
     if num_rows is not None:
         check_complete(lines, num_rows)
-    total = sum(p.keys.num_rows for p in parts)
-    group = _groups(lines, sum(p.nbytes for p in parts) / max(total, 1), group_bytes)
+    group = _groups(lines, _line_bytes(parts, part_schema), group_bytes)
     with _spill_folder(parts_dir) as folder:
         paths, logprobs = ([], False) if not len(group) else _spill(
             parts, position, group, part_schema, folder)
