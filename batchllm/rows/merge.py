@@ -63,6 +63,7 @@ def write_parquet(groups: Iterator[pa.Table], schema: pa.Schema, f: IO[bytes]) -
     with pq.ParquetWriter(f, schema) as out:
         for table in groups:
             out.write_table(table)
+            table = None  # let go before the next group is read
 
 
 def _index(parts: list[Part]) -> tuple[np.ndarray, pa.Table]:
@@ -151,6 +152,7 @@ def _read_groups(paths: list[str], schema: pa.Schema, counts: list[int]) -> Iter
         table = table.take(pc.sort_indices(table["_pos"])).select(schema.names).cast(schema)
         counts[0] += pc.sum(pc.equal(table["finish_reason"], ERROR)).as_py() or 0
         yield table
+        table = None  # one group in memory: this one goes before the next is read
 
 
 @contextlib.contextmanager

@@ -103,3 +103,4 @@ def write_results(groups: pa.Table | Iterable[pa.Table], f: IO[bytes], kinds: li
             out = result_line(kind, lines[k:end], model, created, text)
             f.write((json.dumps(out, ensure_ascii=False) + "\n").encode())
             row, k = row + 1, end
+        table = lines = None  # let go before the next group is read
