@@ -11,6 +11,13 @@ peak (~600 MiB, varying by tens of MiB from run to run) hides the rows' share.
     python scripts/measure_row_memory.py [--rows 4000,24000] [--max-tokens 16] [--logprobs 5]
                                          [--out DIR]
 
+Since 2026-12-03 (engine commit de025b1: a step's log-probabilities kept as tensors) a 64-row
+job's heap grows ~400 MiB in its first steps and stays there (fixed, not per row; glibc keeps
+it): the warm-up ends near 1,080 MiB instead of ~700, and the measured job first reuses that
+freed heap, so a peak here can hide up to a few hundred MiB of growth. Per-phase figures
+(tracemalloc, or /proc/self/status VmHWM around a phase in a process of its own) are the
+sharper tool for a single change.
+
 The job (issue 27): short templated prompts on a tiny random Llama (tests/hf_reference.py) on the
 CPU, sampled, each row `--max-tokens` tokens with `--logprobs` alternatives. Prints one JSON line
 per size (rows, peak_mib: ru_maxrss of the child, wall_s) and then the growth in bytes per extra
@@ -117,6 +124,8 @@ def main() -> None:
         print(json.dumps(r), flush=True)
         results.append(r)
     lo, hi = results[0], results[-1]
+    if hi["rows"] == lo["rows"]:  # one size: no growth to report
+        return
     per_row = (hi["peak_mib"] - lo["peak_mib"]) * (1 << 20) / (hi["rows"] - lo["rows"])
     print(json.dumps({"bytes_per_extra_row": round(per_row)}))
 
