@@ -92,12 +92,27 @@ def run_cli(*args: str, **kw) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+def run_in_process(*args: str) -> subprocess.CompletedProcess:
+    """`batchllm ARGS` through the CLI's typer app in this process (no interpreter start, torch
+    import or model load per call): the exit code, stdout and stderr as a finished process gives
+    them. The tests of the console script's own exit, signals and locks between processes keep
+    start_cli."""
+    from typer.testing import CliRunner
+
+    from batchllm.cli import app
+
+    result = CliRunner(env={"BATCHLLM_CHECKPOINT_ROWS": "6"}).invoke(  # as start_cli sets it
+        app, list(args), catch_exceptions=False)
+    return subprocess.CompletedProcess(["batchllm", *args], result.exit_code, result.stdout,
+                                       result.stderr)
+
+
 @functools.cache
 def ops_reference():
     """The final file of the operations job run once, uninterrupted (once per test process)."""
     import pyarrow.parquet as pq
 
     tmp = Path(tempfile.mkdtemp(prefix="batchllm-ops-reference-"))
-    done = run_cli("run", str(ops_job(tmp, "full")), "--quiet")
+    done = run_in_process("run", str(ops_job(tmp, "full")), "--quiet")
     assert done.returncode == 0, done.stderr
     return pq.read_table(tmp / "full" / "out.parquet")

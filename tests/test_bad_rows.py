@@ -14,7 +14,7 @@ from bad_inputs import (
     texts_column,
     write_parquet,
 )
-from job_files import run_cli
+from job_files import run_in_process
 
 from batchllm import run_job
 
@@ -64,7 +64,7 @@ def _parquet(tmp_path):
 
 def test_bad_parquet_rows_are_error_rows_and_the_job_exits_3(tmp_path) -> None:
     job = job_file(tmp_path, "rows", {"path": str(_parquet(tmp_path))})
-    done = run_cli("run", str(job), "--quiet")
+    done = run_in_process("run", str(job), "--quiet")
     assert done.returncode == 3, done.stderr
     out = output_rows(job)
     assert list(out) == [k.decode("utf-8", "backslashreplace") if isinstance(k, bytes) else k

@@ -13,7 +13,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from hf_reference import tiny_model_folder
-from job_files import ops_job, run_cli
+from job_files import ops_job, run_cli, run_in_process
 
 BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 
@@ -36,6 +36,12 @@ def write_job(tmp: Path, rows: dict, **sections) -> Path:
 
 
 def run(*args: str) -> subprocess.CompletedProcess:
+    """`batchllm ARGS` in this process (the CLI's app); run_process for the console script's own
+    exit codes."""
+    return run_in_process(*args)
+
+
+def run_process(*args: str) -> subprocess.CompletedProcess:
     env = dict(os.environ, PYTHONUNBUFFERED="1")
     return subprocess.run([BATCHLLM, *args], capture_output=True, text=True, env=env,
                           timeout=600, check=False)
@@ -84,7 +90,7 @@ def test_run_writes_output_in_input_order_with_metrics(tmp_path: Path) -> None:
 def test_error_rows_give_exit_code_3(tmp_path: Path) -> None:
     job = write_job(tmp_path, {"prompt": ["Hello there.", None, "  ", "Bye."],
                                "temperature": [0.0, 0.0, 0.0, -2.0]})
-    proc = run("run", str(job), "--quiet")
+    proc = run_process("run", str(job), "--quiet")  # the console script's own exit code
     assert proc.returncode == 3, proc.stderr
     out = pq.read_table(tmp_path / "out" / "result.parquet").to_pylist()
     assert [r["id"] for r in out] == [0, 1, 2, 3]

@@ -9,19 +9,15 @@ the comments (GiB = 2^30; H200 = 143166 MiB = 150,120,431,616 B, H100 = 81091 Mi
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from job_files import run_in_process
 
 from batchllm.model.errors import ModelError
 from batchllm.model.hf_cache import load_config
 from batchllm.model.memory_plan import Devices, Settings, alternatives, parse_devices, plan_memory
-
-BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 
 LLAMA3_70B = {  # meta-llama/Meta-Llama-3-70B-Instruct
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
@@ -159,9 +155,7 @@ def test_plan_memory_only_needs_just_config_json(tmp_path: Path) -> None:
                                "input": {"path": str(tmp_path / "absent.parquet")},
                                "output": {"path": str(tmp_path / "out.parquet")},
                                "sampling": {"max_tokens": 64}}))
-    proc = subprocess.run([BATCHLLM, "plan", str(job), "--memory-only", "--devices", "8xH100"],
-                          capture_output=True, text=True, timeout=300, check=False,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = run_in_process("plan", str(job), "--memory-only", "--devices", "8xH100")
     assert proc.returncode == 0, proc.stderr
     report = dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
     assert report["model_family"] == "llama"
@@ -172,6 +166,5 @@ def test_plan_memory_only_needs_just_config_json(tmp_path: Path) -> None:
     assert report["fits"].startswith("no: the weights (131.42 GiB)")
     # 8 devices: tp 2 needs no more than there are
     assert report["with_tensor_parallel_2"] == "65.71 GiB weights, 66448 tokens, 8 rows at once"
-    bad = subprocess.run([BATCHLLM, "plan", str(job), "--memory-only", "--devices", "3xH99"],
-                         capture_output=True, text=True, timeout=300, check=False)
+    bad = run_in_process("plan", str(job), "--memory-only", "--devices", "3xH99")
     assert bad.returncode == 2 and "--devices: '3xH99': unknown device" in bad.stderr

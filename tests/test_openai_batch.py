@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 from hf_reference import tiny_model_folder
-from job_files import run_cli
+from job_files import run_in_process
 
 from batchllm.config import SAMPLING_FIELDS, InputConfig, SamplingConfig
 from batchllm.model.loader import job_model
@@ -172,7 +172,7 @@ def test_batch_file_round_trips_through_a_job(tmp_path: Path):
            "output": {"path": str(tmp_path / "out" / "results.jsonl"), "format": "openai-batch"},
            "sampling": {"max_tokens": 6}, "engine": {"kv_cache_memory": "64MiB"}}
     (tmp_path / "job.yaml").write_text(json.dumps(job))
-    proc = run_cli("run", str(tmp_path / "job.yaml"), "--quiet")
+    proc = run_in_process("run", str(tmp_path / "job.yaml"), "--quiet")
     assert proc.returncode == 3, proc.stderr  # finished, with error rows
     results = [json.loads(x) for x in (tmp_path / "out" / "results.jsonl").read_text().splitlines()]
     wanted = [json.loads(x)["custom_id"] if i != 5 else "line-6"

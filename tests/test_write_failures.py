@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 import pytest
-from job_files import OPS_ROWS, ops_job, ops_reference, run_cli
+from job_files import OPS_ROWS, ops_job, ops_reference, run_cli, run_in_process
 
 ERROR_LINE = "batchllm: error: cannot write "
 
@@ -59,7 +59,7 @@ def _check_stopped(proc: subprocess.CompletedProcess, out: Path, job: Path) -> N
 
 
 def _resume_gives_the_uninterrupted_file(job: Path, out: Path) -> None:
-    resumed = run_cli("run", str(job), "--quiet", "--set", "output.mode=resume")
+    resumed = run_in_process("run", str(job), "--quiet", "--set", "output.mode=resume")
     assert resumed.returncode == 0, resumed.stderr
     final = pq.read_table(out)
     reference = ops_reference()
