@@ -180,7 +180,7 @@ class Engine:
                 pending = None
             if issued is not None:
                 pending = self._attach(sampling, *issued, stats)
-                if not self.overlap:
+                if pending is not None and not self.overlap:
                     self._resolve(pending, sched, rows, on_row, stats)
                     pending = None
             for node in [n for n in node_logits if n not in sched.prefixes]:
@@ -252,13 +252,15 @@ class Engine:
         return tokens, got
 
     def _attach(self, seqs: list[Request], issued: Issued,
-                scored: tuple[StepLogprobs, np.ndarray] | None, stats) -> _Pending:
+                scored: tuple[StepLogprobs, np.ndarray] | None, stats) -> _Pending | None:
         """The sampling rows still live take their new token: counted (the draw counter
         advances), and, unless it is their last by a length limit, a placeholder in their ids
         for the next step to run. Rows found finished since the step was launched are left
         out: their token is discarded."""
         slots = self.slots
         live = [i for i, s in enumerate(seqs) if not s.finished]
+        if not live:  # (None: nothing to read)
+            return None
         if len(live) < len(seqs):
             seqs = [seqs[i] for i in live]
         idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))  # [L]
