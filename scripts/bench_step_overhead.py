@@ -64,14 +64,14 @@ def sampling(mix: str, rows: int, tokens: int, logprobs: int) -> list[SamplingPa
     return out
 
 
-def load(model: str, max_num_seqs: int) -> LLM:
+def load(model: str, max_num_seqs: int, overlap: str) -> LLM:
     if model == "tiny":
         sys.path.insert(0, str(Path(__file__).resolve().parent))
         from random_models import build
 
         model = str(build("tiny", TINY_DIR, "cpu"))
     return LLM(model, dtype="float32", device="cpu", max_num_seqs=max_num_seqs,
-               kv_cache_memory=2 << 30)
+               kv_cache_memory=2 << 30, overlap={"on": True, "off": False}.get(overlap, "auto"))
 
 
 def main() -> None:
@@ -83,6 +83,8 @@ def main() -> None:
     p.add_argument("--max-num-seqs", type=int, default=256)
     p.add_argument("--mix", choices=("greedy", "issue"), default="greedy")
     p.add_argument("--logprobs", default="0", help="comma-separated: 0,5 runs both")
+    p.add_argument("--overlap", choices=("auto", "on", "off"), default="auto",
+                   help="engine.overlap (auto: off on the CPU)")
     p.add_argument("--profile", action="store_true", help="cProfile the last run of each")
     p.add_argument("--clock", choices=("wall", "thread"), default="wall",
                    help="thread: every timing (the engine's too) in the main thread's CPU "
@@ -91,8 +93,9 @@ def main() -> None:
     if a.clock == "thread":
         time.perf_counter = time.thread_time  # the engine and runners call time.perf_counter()
     print(f"# load average {os.getloadavg()[0]:.2f}, model {a.model}, mix {a.mix}, "
-          f"max_num_seqs {a.max_num_seqs}, {a.tokens} tokens per row, clock {a.clock}")
-    llm = load(a.model, a.max_num_seqs)
+          f"max_num_seqs {a.max_num_seqs}, {a.tokens} tokens per row, clock {a.clock}, "
+          f"overlap {a.overlap}")
+    llm = load(a.model, a.max_num_seqs, a.overlap)
     spent = timed_model(llm.runtime.loaded.model)
     print(f"{'rows':>5} {'logprobs':>8} {'steps':>6} {'wall ms':>9} {'forward ms':>11} "
           f"{'host ms/step':>13} {'from':>8}")

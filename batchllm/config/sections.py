@@ -142,12 +142,6 @@ class EngineConfig(_Section):
     worker_timeout: float = _spec(lambda v: c.number(v, "a number of seconds > 0",
                                                      lambda x: x > 0), 600.0)
 
-    def _cross_checks(self) -> list[str]:
-        errors = []
-        if self.overlap is True:  # TODO(issue 28): the overlapped step loop
-            errors.append("engine.overlap: true is not supported yet; use auto or false")
-        return errors
-
 
 @dataclass(frozen=True)
 class PlannerConfig(_Section):

@@ -10,9 +10,9 @@ little host work and as few transfers as the step allows.
 - Decode-only steps are replayed as CUDA graphs per batch-size bucket (cuda_graphs.py; with
   engine.cuda_graphs, on CUDA); prefill and mixed steps run eagerly, their decodes in the
   decode tile (ModelOps.tiles_decodes).
-- The engine runs the scheduler's bookkeeping for the step (step_done) while the device works,
-  before it waits for the sampled ids; the next step's schedule needs those ids (stops free
-  pages), so it cannot be built earlier.
+- With engine.overlap the next step is planned before this one's sampled ids are read: they
+  reach the next step's inputs as placeholders, resolved here on the device (future_tokens.py);
+  without it, the engine reads the ids before it plans the next step.
 On the CPU (BATCHLLM_BACKEND=triton) the same code runs with the Triton interpreter, the static
 decode path eagerly.
 """
@@ -25,6 +25,7 @@ import torch
 
 from batchllm.engine.block_table import BlockTable
 from batchllm.engine.cuda_graphs import DecodeGraphs
+from batchllm.engine.future_tokens import FutureTokens
 from batchllm.engine.request import Request
 from batchllm.engine.runner import StepOutput
 from batchllm.engine.step_batch import StepBatch, build_batch
@@ -63,8 +64,9 @@ class DeviceRunner:
                                        capture=dev.type == "cuda")
 
     def forward_step(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
-                     greedy: bool = False) -> StepOutput:
-        # greedy: unused, the logits stay on the device
+                     greedy: bool = False, future: FutureTokens | None = None) -> StepOutput:
+        # greedy: unused, the logits stay on the device. future: placeholders among the ids
+        # (< 0) are resolved from it in the staged buffer, on the device
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         rows, index, pages = self.table.update(batch.seqs)
         graph = self.graphs is not None and batch.decode_only
@@ -73,6 +75,9 @@ class DeviceRunner:
         values.update(delta_index=index, delta_pages=pages)
         self.buffers.stage(values)
         dev = self.buffers.dev
+        if future is not None and batch.has_placeholders:
+            ids = dev["ids"][: len(values["ids"])]
+            ids.copy_(future.resolve(ids))
         self.table.write(dev["delta_index"][: len(index)], dev["delta_pages"][: len(index)])
         t0 = time.perf_counter()
         replayed = False

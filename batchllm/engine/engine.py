@@ -1,27 +1,29 @@
 """The step loop: plan items in, finished rows out.
 
 Each step: top up the waiting queue from the plan, schedule, run the model once over every
-scheduled token, advance the counters, sample, stop, and hand finished rows back at once.
+scheduled token, advance the counters, sample, stop, and hand finished rows back at once; with
+engine.overlap the sampled ids are read, and rows stopped, one step later (`Engine.generate`).
 """
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 import numpy as np
 import torch
 
+from batchllm.engine.future_tokens import FutureTokens, Issued
 from batchllm.engine.grammar import Grammars
 from batchllm.engine.metrics import EngineStats
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.runner import ModelRunner
-from batchllm.engine.sampler import greedy_only, row_key, sample, token_logprobs
+from batchllm.engine.sampler import greedy_only, row_key, sample_ids, token_logprobs
 from batchllm.engine.scheduler import Scheduler
-from batchllm.engine.step_logprobs import records
+from batchllm.engine.step_logprobs import StepLogprobs, records
 from batchllm.engine.stopping import StopChecker
 from batchllm.model.attention import FP8, PagedAttention
 from batchllm.model.attention import kv_cache_dtype as kv_cache_dtype_of
@@ -59,10 +61,12 @@ class Engine:
         max_model_len: int,
         cuda_graphs: bool = True,
         kv_cache_dtype: str = "auto",
+        overlap: bool = False,
     ) -> None:
         """cuda_graphs: decode steps replayed as CUDA graphs on the CUDA path (on CUDA only;
         elsewhere that path's static decode buffers run eagerly). kv_cache_dtype: auto (the
-        model's) or fp8 (model/attention.py)."""
+        model's) or fp8 (model/attention.py). overlap: plan step N+1 before step N's sampled
+        ids are read (`generate`); the same outputs either way."""
         shape = loaded.model.shape
         kv_dtype = kv_cache_dtype_of(kv_cache_dtype, loaded.model.dtype)
         scales = loaded.kv_scales
@@ -85,6 +89,8 @@ class Engine:
         self.max_model_len = max_model_len
         self._eos = np.array(sorted(loaded.eos_ids), dtype=np.int64)
         self.slots = RowSlots()  # made anew by each generate
+        self.overlap = overlap
+        self._kernel_seconds = 0.0  # this step's forward and sampling kernels (and waits)
 
     def generate(
         self,
@@ -94,21 +100,33 @@ class Engine:
         on_step: Callable[[EngineStats], None] | None = None,
     ) -> EngineStats:
         """Runs every item of the plan; `rows[k]` is the plan's row k. Each row gets its result
-        and goes to on_row the moment it finishes."""
+        and goes to on_row the moment it finishes.
+
+        A step's sampled ids are issued on the device (future_tokens.py) and each row that sampled
+        takes a placeholder for its next token (`_attach`); they are read on the host, and the
+        rows stopped, finished and freed, by `_resolve`. Without overlap that follows at once;
+        with it, once the next step's forward and sampling are launched: a row that stopped
+        (end of sequence, a stop string, a grammar) rides along in that step, its token there
+        discarded. A row that reaches a length limit is known without its token, and is not
+        scheduled again. A step in which a constrained row samples holds the overlap: its mask
+        needs the matcher to have seen the previous token, so that step's forward is launched,
+        then the previous step resolved, then the mask filled and the step sampled."""
         pool = PagePool(self.num_pages)
         self.slots = RowSlots(2 * self.max_num_seqs + 256)  # running and waiting rows
         users = {int(n): int(c) for n, c in enumerate(plan.node_users)}
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
+        future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device)
         node_logits: dict[int, torch.Tensor] = {}
         # prefixes whose last position's logits rows will sample their first token from
         terminal = set(np.flatnonzero(plan.node_terminal > 0).tolist())
         kinds, ids = plan.item_kind, plan.item_id  # read as each item enters: no list of all
         cursor = 0
         window = self.max_num_seqs + 128
+        pending: _Pending | None = None  # the last step's ids, not yet read on the host
         while True:
             started = time.perf_counter()
-            kernel_seconds = 0.0  # the forward's and the sampling kernels' share of this step
+            self._kernel_seconds = 0.0  # the forward's and the sampling kernels' share
             while cursor < len(kinds) and len(sched.waiting) < window:
                 sched.add(self._request(int(kinds[cursor]), int(ids[cursor]), rows, plan,
                                         terminal))
@@ -127,14 +145,16 @@ class Engine:
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
                 greedy = not step.from_prefix and bool(self.slots.greedy[
                     np.fromiter((s.slot for s, w in zip(step.seqs, wants) if w), np.int64)].all())
-                out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy)
+                out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy, future)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
-                kernel_seconds += out.forward_seconds
+                self._kernel_seconds += out.forward_seconds
             sched.step_done(step)
             to_sample, sampling = [], []  # logits rows and the sequences they sample for
+            issued = None
             if out is not None and out.tokens is not None:
-                self._advance(out.sampled, out.tokens, sched, rows, on_row, stats)
+                sampling = out.sampled
+                issued = future.issue(out.tokens), None
             elif out is not None:
                 for i, seq in enumerate(out.sampled):
                     if seq.kind is Kind.PREFIX:
@@ -145,13 +165,27 @@ class Engine:
             for seq in step.from_prefix:
                 to_sample.append(node_logits[seq.parent])
                 sampling.append(seq)
-            if sampling:
+            if to_sample:
+                idx = np.fromiter((s.slot for s in sampling), np.int64, len(sampling))  # [S]
+                if pending is not None and self.slots.constrained[idx].any():
+                    self._resolve(pending, sched, rows, on_row, stats)  # hold the overlap
+                    pending = None
                 only_rows = not step.from_prefix and len(sampling) == out.logits.shape[0]
                 logits = out.logits if only_rows else torch.stack(to_sample)  # [S, V]
-                kernel_seconds += self._sample(logits, sampling, sched, rows, on_row, stats)
+                tokens, scored = self._sample(logits, sampling, idx)
+                issued = future.issue(tokens), scored
+            if pending is not None:
+                stats.steps_overlapped += issued is not None  # launched before ids were read
+                self._resolve(pending, sched, rows, on_row, stats)
+                pending = None
+            if issued is not None:
+                pending = self._attach(sampling, *issued, stats)
+                if pending is not None and not self.overlap:
+                    self._resolve(pending, sched, rows, on_row, stats)
+                    pending = None
             for node in [n for n in node_logits if n not in sched.prefixes]:
                 del node_logits[node]
-            stats.steps += 1
+            stats.steps += bool(step.seqs or step.from_prefix or step.copies)
             stats.preemptions = sched.preemptions
             stats.prefix_evictions = len(sched.prefixes.evicted)
             stats.kv_pages_in_use = pool.num_used
@@ -162,7 +196,8 @@ class Engine:
             stats.running = len(sched.running)
             if on_step is not None:
                 on_step(stats)
-            stats.step_host_seconds += time.perf_counter() - started - kernel_seconds
+            stats.step_host_seconds += time.perf_counter() - started - self._kernel_seconds
+        assert pending is None, "sampled ids left unread after the job"
         pool.check()
         assert pool.num_used == 0, "pages left in use after the job"
         return stats
@@ -188,48 +223,83 @@ class Engine:
                                    seq.matcher is not None, greedy_only(seq))
         return seq
 
-    def _sample(self, logits, seqs: list[Request], sched, rows: list[Row], on_row,
-                stats) -> float:
+    def _sample(self, logits, seqs: list[Request], idx: np.ndarray
+                ) -> tuple[torch.Tensor, tuple[StepLogprobs, np.ndarray] | None]:
         """logits [S, V] fp32, one row per sequence of seqs (a fresh tensor or the step's own
-        output: masked in place). Unconstrained rows without logprobs take the plain path.
-        Returns the seconds spent in the sampling kernels (the draws and the
-        log-probabilities)."""
+        output: masked in place); idx [S]: their slots. Returns the sampled ids [S] (on the
+        device, not read) and the log-probabilities of the rows that ask for them (with their
+        indices into seqs). Adds the seconds of the sampling kernels to the step's."""
         slots = self.slots
-        idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))  # [S]
-        constrained = np.flatnonzero(slots.constrained[idx]).tolist()
+        constrained = [i for i in np.flatnonzero(slots.constrained[idx]).tolist()
+                       if not seqs[i].finished]
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
             # fill overlaps the forward still in flight
             masks = self.grammars.bitmask([seqs[i].matcher for i in constrained])
             self.grammars.apply(logits, constrained, masks)
         temperature = slots.temperature[idx]
         started = time.perf_counter()
-        tokens = sample(logits, temperature, slots.top_k[idx], slots.top_p[idx], slots.key[idx],
-                        slots.generated[idx])
+        tokens = sample_ids(logits, temperature, slots.top_k[idx], slots.top_p[idx],
+                            slots.key[idx], slots.generated[idx])
         k = slots.logprobs[idx]
         scored = np.flatnonzero(k)
+        got = None
         if len(scored):  # tensors; each row's records are made when it finishes
             every = len(scored) == len(seqs)
-            got = token_logprobs(logits if every else logits[torch.from_numpy(scored)],
-                                 temperature[scored], [tokens[i] for i in scored], k[scored])
-            for j, i in enumerate(scored.tolist()):
-                seqs[i].logprobs.append((got, j))
-        kernel_seconds = time.perf_counter() - started
-        self._advance(seqs, tokens, sched, rows, on_row, stats, idx)
-        return kernel_seconds
+            sel = None if every else torch.from_numpy(scored).to(logits.device)
+            got = token_logprobs(logits if every else logits[sel], temperature[scored],
+                                 tokens if every else tokens[sel], k[scored]), scored
+        self._kernel_seconds += time.perf_counter() - started
+        return tokens, got
 
-    def _advance(self, seqs: list[Request], tokens: list[int], sched, rows: list[Row], on_row,
-                 stats, idx: np.ndarray | None = None) -> None:
-        """Each sequence takes its new token; the finished ones go to on_row. idx [S]: their
-        slots. Only the rows a token may stop (end of sequence, a length limit, stop strings or
-        a grammar) go through the stop checker, found from the slots' arrays."""
+    def _attach(self, seqs: list[Request], issued: Issued,
+                scored: tuple[StepLogprobs, np.ndarray] | None, stats) -> _Pending | None:
+        """The sampling rows still live take their new token: counted (the draw counter
+        advances), and, unless it is their last by a length limit, a placeholder in their ids
+        for the next step to run. Rows found finished since the step was launched are left
+        out: their token is discarded."""
         slots = self.slots
-        if idx is None:
-            idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))
-        for seq, tok in zip(seqs, tokens):
-            seq.token_ids.append(tok)
-        stats.completion_tokens += len(seqs)
-        generated = slots.generated[idx] + 1  # [S]
+        live = [i for i, s in enumerate(seqs) if not s.finished]
+        if not live:  # (None: nothing to read)
+            return None
+        if len(live) < len(seqs):
+            seqs = [seqs[i] for i in live]
+        idx = np.fromiter((s.slot for s in seqs), np.int64, len(seqs))  # [L]
+        generated = slots.generated[idx] + 1
         slots.generated[idx] = generated
+        last = (generated >= slots.max_tokens[idx]) | (
+            slots.num_prompt[idx] + generated >= self.max_model_len)
+        where = []  # each row's index of the new token in its ids; -1: appended when read
+        for seq, j, end in zip(seqs, live, last.tolist()):
+            if end:
+                where.append(-1)
+            else:
+                where.append(len(seq.token_ids))
+                seq.token_ids.append(-1 - issued.base - j)
+        if scored is not None:
+            got, rows = scored
+            entry = {int(i): n for n, i in enumerate(rows.tolist())}
+            for seq, j in zip(seqs, live):
+                n = entry.get(j)
+                if n is not None:
+                    seq.logprobs.append((got, n))
+        stats.completion_tokens += len(seqs)
+        return _Pending(seqs, idx, live, where, issued)
+
+    def _resolve(self, pending: _Pending, sched, rows: list[Row], on_row, stats) -> None:
+        """The step's ids read on the host and written into the rows; the finished ones go to
+        on_row and their pages back to the pool. Only the rows a token may stop (end of
+        sequence, a length limit, stop strings or a grammar) go through the stop checker, found
+        from the slots' arrays."""
+        values, waited = pending.issued.read()
+        self._kernel_seconds += waited  # the device's time, not the host's
+        seqs, idx, slots = pending.seqs, pending.idx, self.slots
+        tokens = [values[j] for j in pending.index]
+        for seq, at, tok in zip(seqs, pending.where, tokens):
+            if at < 0:
+                seq.token_ids.append(tok)
+            else:
+                seq.token_ids[at] = tok
+        generated = slots.generated[idx]  # [S], this token counted
         maybe = slots.checked[idx] | (generated >= slots.max_tokens[idx])
         maybe |= slots.num_prompt[idx] + generated >= self.max_model_len
         eos = (np.asarray(tokens, dtype=np.int64)[:, None] == self._eos).any(axis=1)  # [S]
@@ -244,6 +314,7 @@ class Engine:
             if not bad and not stopped.pop():
                 continue
             done.append(seq)
+            seq.finished = True
             stats.rows_done += 1
             row = rows[seq.key]
             if bad:  # cannot happen with the mask applied; an error row, not a crash
@@ -255,3 +326,13 @@ class Engine:
         sched.finish_many(done)
         for seq in done:
             slots.give_back(seq.slot)
+
+
+class _Pending(NamedTuple):
+    """A step's sampled ids, attached to its live rows, not yet read on the host."""
+
+    seqs: list[Request]  # the live sampling rows
+    idx: np.ndarray  # [L] their slots
+    index: list[int]  # each row's index in the step's ids
+    where: list[int]  # each row's index of its new token in its ids; -1: appended when read
+    issued: Issued

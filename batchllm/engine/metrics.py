@@ -26,6 +26,7 @@ class EngineStats:
     rows_done: int = 0
     steps: int = 0
     steps_replayed: int = 0  # steps run from a captured CUDA graph
+    steps_overlapped: int = 0  # steps launched before the last step's sampled ids were read
     step_host_seconds: float = 0.0  # step loop time outside the forward and sampling kernels
     preemptions: int = 0
     prefix_evictions: int = 0  # shared prefixes dropped from the cache before their last user
@@ -69,6 +70,9 @@ class RunMetrics:
     prefix_evictions: int = _sum()
     steps: int = _sum()
     steps_replayed: int = _sum()  # steps run from a captured CUDA graph
+    # steps whose forward and sampling were launched before the previous step's sampled ids were
+    # read on the host (engine.overlap; 0 without it)
+    steps_overlapped: int = _sum()
     # the step loop's time outside the model's forward and the sampling kernels (what a device
     # would wait for); per step: / steps
     step_host_seconds: float = _sum(0.0)

@@ -35,6 +35,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens taken from a shared prefix instead of computed
     wants_logits: bool = False  # a prefix whose last position's logits rows will sample from
     finish_reason: str | None = None
+    finished: bool = False  # its result is out: a token sampled for it since is discarded
     text: str | None = None
 
     @property

@@ -18,6 +18,7 @@ from typing import NamedTuple
 import numpy as np
 import torch
 
+from batchllm.engine.future_tokens import FutureTokens
 from batchllm.engine.request import Request
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.model.attention import PagedAttention, StepMetadata
@@ -40,7 +41,8 @@ class StepOutput(NamedTuple):
     logits: torch.Tensor | None  # [S, V] fp32, one row per sequence in `sampled`
     sampled: list[Request]
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
-    tokens: list[int] | None = None  # instead of logits: their argmax, for a greedy step
+    tokens: torch.Tensor | None = None  # [S] int64 instead of logits: their argmax, for a
+    # greedy step (on the device: the engine reads them when it needs them)
     forward_seconds: float = 0.0  # host time spent in the model's forward (and lm_head)
     replayed: bool = False  # run from a captured CUDA graph
 
@@ -63,9 +65,11 @@ class ModelRunner:
         counts: list[int],
         wants_logits: list[bool],
         greedy: bool = False,
+        future: FutureTokens | None = None,
     ) -> StepOutput:
         """greedy: every sequence that samples takes the argmax, which the lm_head may then
-        return instead of the logits (StepOutput.tokens)."""
+        return instead of the logits (StepOutput.tokens). future: where the placeholders among
+        the sequences' ids (< 0: ids sampled last step, not yet read) are resolved."""
         batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
         dev = self.device
         table = page_table(batch.seqs)  # [B, max_pages] int32
@@ -79,16 +83,18 @@ class ModelRunner:
         if batch.groups:
             self._add_cascade(meta, batch)
         self.attention.meta = meta
+        ids = torch.from_numpy(batch.ids).to(dev)  # [T]
+        if future is not None and batch.has_placeholders:
+            ids = future.resolve(ids)
         t0 = time.perf_counter()
         h = self.model.hidden(
-            torch.from_numpy(batch.ids).to(dev),
+            ids,
             torch.from_numpy(batch.positions).to(dev),
             self.attention,
             torch.tensor(batch.sample_rows, dtype=torch.int64, device=dev),
         )  # [S, H]
         tokens = self.model.greedy(h) if greedy else None
         if tokens is not None:
-            tokens = tokens.tolist()
             return StepOutput(None, batch.sampled, batch.prefill_tokens, tokens,
                               time.perf_counter() - t0)
         logits = self.model.logits(h)

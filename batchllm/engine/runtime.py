@@ -92,9 +92,10 @@ class Runtime:
                 lambda: warm_up_step(loaded, tokens, s.page_size, s.kv_cache_dtype), loaded.device)
         budget = kv_budget_bytes(s.kv_cache_memory, loaded.device, reserved)
         pages = num_kv_pages(budget, bytes_per_token, s.page_size)
+        overlap = loaded.device.type == "cuda" if s.overlap == "auto" else bool(s.overlap)
         engine = Engine(loaded, pages, s.page_size, s.max_num_seqs, s.max_batched_tokens,
                         s.prefix_sharing, loaded.max_model_len,
-                        s.cuda_graphs and group is None, s.kv_cache_dtype)
+                        s.cuda_graphs and group is None, s.kv_cache_dtype, overlap)
         if group is not None:
             tensor_parallel.share_pool(group, pages, s.page_size, s.kv_cache_dtype)
             group.watch(engine.attention)
@@ -161,6 +162,7 @@ class Runtime:
             prefix_evictions=stats.prefix_evictions,
             steps=stats.steps,
             steps_replayed=stats.steps_replayed,
+            steps_overlapped=stats.steps_overlapped,
             step_host_seconds=stats.step_host_seconds,
             plan_seconds=planned_at - start,
             run_seconds=end - planned_at,

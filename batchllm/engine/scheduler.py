@@ -87,6 +87,9 @@ class Scheduler:
             seq = running[i]
             computed = seq.computed
             n = min(len(seq.token_ids) - computed, budget)
+            if n <= 0:  # overlap: its last token (a length limit) is in flight, not yet read
+                i += 1
+                continue
             need = -(-(computed + n) // ps) - len(seq.pages)
             if need > 0:
                 while need > pool.num_free and running[-1] is not seq:
@@ -209,13 +212,17 @@ class Scheduler:
 
     def finish_many(self, seqs: list[Request]) -> None:
         """Rows done in one step: their pages go back in that order, and `running` is rebuilt
-        once (not one O(running) removal per row)."""
+        once (not one O(running) removal per row). With overlap a row may be found done after
+        it was preempted (its last token read one step late): it leaves `waiting` then."""
         if not seqs:
             return
         for seq in seqs:
             self._release(seq)
         done = {id(s) for s in seqs}
+        before = len(self.running)
         self.running = [s for s in self.running if id(s) not in done]
+        if before - len(self.running) < len(seqs):
+            self.waiting = deque(s for s in self.waiting if id(s) not in done)
 
     def check(self) -> None:
         """Assert that the pool's reference counts are exactly what the stored prefixes and the

@@ -45,6 +45,11 @@ class StepBatch:
         return len(self.ids)
 
     @property
+    def has_placeholders(self) -> bool:
+        """Some id is a placeholder (< 0) for one sampled last step (future_tokens.py)."""
+        return bool(len(self.ids)) and int(self.ids.min()) < 0
+
+    @property
     def decode_only(self) -> bool:
         return len(self.ids) == len(self.seqs)
 

@@ -18,27 +18,29 @@ class StepLogprobs:
 
     __slots__ = ("_lists", "chosen", "tokens", "top_id", "top_lp")
 
-    def __init__(self, tokens: list[int],
+    def __init__(self, tokens: torch.Tensor | list[int],  # [R] the chosen tokens
                  chosen: torch.Tensor,  # [R] fp32: the chosen token's logprob
                  top_lp: torch.Tensor,  # [R, kmax] fp32, best first
                  top_id: torch.Tensor,  # [R, kmax] int64
                  ) -> None:
         self.tokens = tokens
         self.chosen, self.top_lp, self.top_id = chosen, top_lp, top_id
-        self._lists: tuple[list, list, list, bool] | None = None
+        self._lists: tuple[list, list, list, list, bool] | None = None
 
     def record(self, i: int, k: int) -> TokenLogprob:
         """Row i's record with its top k; alternatives the mask forbids (-inf) left out."""
         if self._lists is None:
             masked = bool(torch.isinf(self.top_lp).any())  # else no alternative is dropped
-            self._lists = (self.chosen.tolist(), self.top_id.tolist(), self.top_lp.tolist(),
+            tokens = self.tokens
+            self._lists = (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens,
+                           self.chosen.tolist(), self.top_id.tolist(), self.top_lp.tolist(),
                            masked)
-        chosen, top_id, top_lp, masked = self._lists
+        tokens, chosen, top_id, top_lp, masked = self._lists
         if masked:
             top = [(t, v) for t, v in zip(top_id[i][:k], top_lp[i][:k]) if v != _NINF]
         else:
             top = list(zip(top_id[i][:k], top_lp[i][:k]))
-        return TokenLogprob(self.tokens[i], chosen[i], top)
+        return TokenLogprob(tokens[i], chosen[i], top)
 
 
 def records(entries: list[tuple[StepLogprobs, int]] | None, k: int) -> list[TokenLogprob] | None:
