@@ -19,6 +19,7 @@ from tests.gguf_files import KINDS, dequantized, random_weight, write_gguf
 
 SHAPES = [(37, 32), (64, 96), (211, 576)]  # (N, K)
 ROWS = [*range(1, 26), 31, 49, 97]  # every tile height, then 2 to 5 tiles
+LONG = 461  # at K = 576: two blocks of rows, each dequantizing the panels again (blocks.c)
 
 
 @pytest.fixture(autouse=True, params=["native", "avx2", "plain"])
@@ -62,7 +63,7 @@ def test_products_equal_the_panel_kernel_on_the_dequantized_weights(gguf_file, b
         n, k = w.shape
         b = cpu_linear.pack_bias(torch.randn(n, generator=gen), n) if bias else None
         panels = cpu_linear.pack_panels(w)
-        for m in ROWS:
+        for m in ROWS + [LONG] * (k == 576):
             x = torch.randn(m, k + 3, generator=gen)[:, 1 : k + 1]  # rows apart, as views are
             got = cpu_blocks.linear(x, blocks, kind, b)
             want = cpu_linear.linear(x, panels, b, n)

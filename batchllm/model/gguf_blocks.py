@@ -13,10 +13,11 @@ applied here to the rows of blocks, the same rows in the same order.
 `take_blocks` puts them in a model's state in place of the converted folder's float32 weights
 (whose pages are then never read), where the model runs on the CPU in float32 from a folder
 batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. Off by default: on a 2-core
-AVX2 EPYC the block kernel is faster than the float32 panels at 1 row a step but slower from
-~16 (unpacking a block costs what its smaller stream saves), so the short and contract
-workloads ran 10-15% slower from blocks (scripts/bench.py --weights both, README); the same bits
-either way (tests/test_gguf_engine.py).
+AVX2 EPYC (1 thread, load 4-10) a SmolLM2 step from blocks ran 1.17x the float32 panels at 1 row,
+~1.0-1.1x at 16-64, 0.93-1.0x at 256-512; the short workload 12.5 / 11.0 s against 13.0 / 12.9 s,
+the contract one 39.8 / 35.0 s against 36.1 / 35.1 s (native / AVX2 builds, bench.py --weights
+both --isa both --threads 1 --repeat 2): not faster on both. The same bits either way
+(tests/test_gguf_engine.py).
 """
 
 from __future__ import annotations

@@ -5,17 +5,17 @@
  * Blocks of 32 weights along k:
  *   Q8_0  34 bytes: fp16 d, 32 int8 q             w = d * q
  *   Q4_0  18 bytes: fp16 d, 16 bytes of nibbles   w = d * (q - 8)
- *   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes      w = d * q + m (rounded twice, no FMA)
+ *   Q4_1  20 bytes: fp16 d, fp16 m, 16 bytes      w = d * q + m
  * (byte j's low nibble is weight j, its high nibble weight j + 16): the values, bit for bit, of
  * gguf.quants.dequantize in float32, which transformers loads.
  *
  * Each thread takes 16 rows of W at a time (one panel of tile.h), dequantizes their blocks
- * 128 steps of k at a time into a panel [128, 16] float32 of its own (8 KB, in L1; 8 rows at a
- * time, their bytes transposed by AVX2 shuffles, with AVX-512 too) and runs linear.c's FMA
- * tiles over it, the rows' running sums kept between the steps: every y[r, j] is the same
- * chain of FMAs over k, bias first, as cpu_linear's over the dequantized weights, so the two
- * products are equal bit for bit. The weight stream from memory is the blocks': 5/32 (Q4_1)
- * to 17/64 (Q8_0) of the float32 panels' bytes.
+ * whole into a panel [K, 16] float32 of its own (8 rows at a time, their bytes transposed by
+ * AVX2 shuffles, with AVX-512 too) and runs linear.c's FMA tiles over it as linear.c runs them
+ * over its own panels: every y[r, j] is the same chain of FMAs over k, bias first, as
+ * cpu_linear's over the dequantized weights, so the two products are equal bit for bit. The
+ * weight stream from memory is the blocks': 5/32 (Q4_1) to 17/64 (Q8_0) of the float32 panels'
+ * bytes.
  */
 #include <stdint.h>
 #include <stdlib.h>
@@ -33,23 +33,11 @@
 
 enum { Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 }; /* GGML's type ids */
 #define QK 32                             /* weights a block */
-#define KC 128 /* steps of k dequantized at a time: a panel of 8 KB */
-/* the most rows a block of rows holds (their running sums, 16 KB, on the thread's stack with
- * the panel: no heap call a product) */
-#define ACC_ROWS 256
+/* bytes of x rows one dequantized panel serves before it is dequantized again (1 MB: in L2
+ * or L3 while the panel is in L2) */
+#define X_ROWS (1 << 20)
 
 static int64_t block_bytes(int type) { return type == Q8_0 ? 34 : type == Q4_1 ? 20 : 18; }
-
-/* v as it is, the compiler kept from fusing the multiply before it with the add after it */
-static inline float kept(float v) {
-#if defined(__x86_64__)
-    __asm__("" : "+x"(v));
-#else
-    volatile float t = v;
-    v = t;
-#endif
-    return v;
-}
 
 static inline float half_to_float(uint16_t h) {
 #if defined(__F16C__)
@@ -82,15 +70,10 @@ static inline __m256 halves(__m256i v) { /* the low 16 bits of each lane as fp16
     return _mm256_cvtph_ps(_mm256_castsi256_si128(words));
 }
 #define srli _mm256_srli_epi32
-#define srai _mm256_srai_epi32
 #define and_ _mm256_and_si256
-#define sub _mm256_sub_epi32
-#define set1 _mm256_set1_epi32
 #define cvt _mm256_cvtepi32_ps
 #define mul _mm256_mul_ps
-#define add _mm256_add_ps
 #define store _mm256_store_ps
-#define KEEP(v) __asm__("" : "+x"(v))
 #endif
 
 #ifdef LANES
@@ -111,14 +94,13 @@ static inline void transpose8x16(const uint8_t *const p[8], int64_t at, __m256i 
 }
 
 /* byte 4g + t of the 8 rows (c[g] of transpose8x16) as 8 dwords: in the low byte (zero
- * extended), or in the high byte (high: then shifted down, sign extended) */
+ * extended), or in the high byte (high: the dword is 2^24 times the signed byte) */
 static inline __m256i byte_of(__m256i c, int t, int high) {
     int8_t m[16];
     for (int i = 0; i < 16; i++) m[i] = (int8_t)0x80;
     for (int i = 0; i < 4; i++) m[4 * i + (high ? 3 : 0)] = (int8_t)(4 * t + i);
     const __m128i mask = _mm_loadu_si128((const __m128i *)m);
-    const __m256i v = _mm256_shuffle_epi8(c, _mm256_broadcastsi128_si256(mask));
-    return high ? _mm256_srai_epi32(v, 24) : v;
+    return _mm256_shuffle_epi8(c, _mm256_broadcastsi128_si256(mask));
 }
 
 /* 8 rows' blocks (row r's at p[r]) dequantized into out[k * NR + r], k < 32 */
@@ -128,18 +110,21 @@ static inline void dequant_rows8(int type, const uint8_t *const p[8], float *out
     const __m256i h = _mm256_loadu_si256((const __m256i *)head);
     const __m256 d = halves(h);
     __m256i c[4];
+    /* Each weight one product or FMA: d q is exact in float32 (11 bits of d by 4 or 8 of q), so
+     * d q + m fused rounds once as the file's d q, then + m does; 2^24 q by 2^-24 d is d q. */
     if (type == Q8_0) {
+        const __m256 d24 = mul(d, _mm256_set1_ps(0x1p-24f));
         for (int half = 0; half < 2; half++) {
             transpose8x16(p, 2 + 16 * half, c);
 #pragma GCC unroll 16
             for (int j = 0; j < 16; j++)
-                store(out + (16 * half + j) * NR, mul(d, cvt(byte_of(c[j / 4], j % 4, 1))));
+                store(out + (16 * half + j) * NR, mul(d24, cvt(byte_of(c[j / 4], j % 4, 1))));
         }
         return;
     }
     const int q4_1 = type == Q4_1;
-    const __m256 m = halves(srli(h, 16));
-    const __m256i nib = _mm256_set1_epi8(15), eight = set1(8);
+    const __m256 m = q4_1 ? halves(srli(h, 16)) : mul(d, _mm256_set1_ps(-8.f));
+    const __m256i nib = _mm256_set1_epi8(15);
     transpose8x16(p, q4_1 ? 4 : 2, c);
 #pragma GCC unroll 4
     for (int g = 0; g < 4; g++) {
@@ -147,16 +132,8 @@ static inline void dequant_rows8(int type, const uint8_t *const p[8], float *out
 #pragma GCC unroll 4
         for (int t = 0; t < 4; t++) {
             const __m256i ql = byte_of(lo, t, 0), qh = byte_of(hi, t, 0);
-            if (q4_1) {
-                __m256 wl = mul(d, cvt(ql)), wh = mul(d, cvt(qh));
-                KEEP(wl);
-                KEEP(wh);
-                store(out + (4 * g + t) * NR, add(wl, m));
-                store(out + (16 + 4 * g + t) * NR, add(wh, m));
-            } else {
-                store(out + (4 * g + t) * NR, mul(d, cvt(sub(ql, eight))));
-                store(out + (16 + 4 * g + t) * NR, mul(d, cvt(sub(qh, eight))));
-            }
+            store(out + (4 * g + t) * NR, _mm256_fmadd_ps(d, cvt(ql), m)); /* m: -8 d (Q4_0) */
+            store(out + (16 + 4 * g + t) * NR, _mm256_fmadd_ps(d, cvt(qh), m));
         }
     }
 }
@@ -197,7 +174,7 @@ static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, i
             const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
             for (int k = 0; k < QK; k++) {
                 const int q = k < 16 ? qs[k] & 15 : qs[k - 16] >> 4;
-                out[k * NR] = type == Q4_1 ? kept(d * (float)q) + m : d * (float)(q - 8);
+                out[k * NR] = type == Q4_1 ? d * (float)q + m : d * (float)(q - 8);
             }
         }
     }
@@ -205,34 +182,36 @@ static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, i
 }
 
 /* The product over every panel of 16 rows of W, in parallel over them (per-thread bests in
- * bests[thread]), rows in blocks as linear.c's; each panel dequantized KC steps of k at a time
- * into a panel of its own that stays in L1, the rows' running sums kept in between */
+ * bests[thread]). Each panel is dequantized whole, [K, 16] into a buffer of the thread's
+ * (36 KB at K = 576, in L2), once for every X_ROWS bytes of x rows, and then runs linear.c's
+ * panel_rows over those rows as linear.c runs it over a panel of its own: the same call on the
+ * same values. Panels outside, rows inside: a prefill step's rows reuse a dequantized panel
+ * (where linear.c, rows outside, streams its float32 panels again every ~100 rows), and its
+ * blocks are read from memory once a step. */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
                     int type, const float *bias, int64_t N, float *y, Best *bests) {
     const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
-    int64_t block = X_BLOCK / (K * (int64_t)sizeof(float)) / MR * MR;
+    int64_t block = X_ROWS / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
-    if (block > ACC_ROWS) block = ACC_ROWS;
 #pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
     {
         int thread = 0;
 #ifdef _OPENMP
         thread = omp_get_thread_num();
 #endif
-        float panel[KC * NR] __attribute__((aligned(64))), acc[ACC_ROWS * NR];
+        float *panel = aligned_alloc(64, (size_t)K * NR * sizeof(float));
+        if (!panel) abort(); /* K * 64 bytes */
         for (int64_t m0 = 0; m0 < M; m0 += block) {
             const int64_t m1 = m0 + block < M ? m0 + block : M;
 #pragma omp for schedule(static) nowait
             for (int64_t p = 0; p < count; p++) {
                 const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
-                for (int64_t k0 = 0; k0 < K; k0 += KC) {
-                    const int64_t kn = K - k0 < KC ? K - k0 : KC;
-                    dequant_panel(w + p * NR * rb, type, rb, k0 / QK, kn / QK, cols, panel);
-                    panel_rows(x, lda, K, panel, k0, kn, acc, bias ? bias + p * NR : 0, y,
-                               bests ? bests + thread : 0, N, p, m0, m1);
-                }
+                dequant_panel(w + p * NR * rb, type, rb, 0, K / QK, cols, panel);
+                panel_rows(x, lda, K, panel, 0, K, 0, bias ? bias + p * NR : 0, y,
+                           bests ? bests + thread : 0, N, p, m0, m1);
             }
         }
+        free(panel);
     }
 }
 
