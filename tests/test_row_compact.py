@@ -9,7 +9,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from batchllm.plan import tree as tree_module
+from batchllm.plan import arrays as window_module
 from batchllm.plan.tree import PrefixTree
 from batchllm.rows import merge
 from batchllm.rows.admission import admit_table
@@ -32,7 +32,7 @@ def test_chunked_compare_gives_the_same_tree(monkeypatch):
     prompts = _prompts(300)
     whole = PrefixTree.build(prompts)
     for chunk in (1, 7, 64):  # tokens compared at once: fewer than a window, a few windows
-        monkeypatch.setattr(tree_module, "_CHUNK_ELEMS", chunk)
+        monkeypatch.setattr(window_module, "_CHUNK_ELEMS", chunk)
         chunked = PrefixTree.build(prompts)
         chunked.check()
         assert all(np.array_equal(getattr(whole, f), getattr(chunked, f)) for f in _TREE)

@@ -8,7 +8,7 @@ import torch
 from hf_reference import tiny_model_folder
 
 from batchllm import LLM, SamplingParams
-from batchllm.engine.sampler import filtered_probs, row_key, sample, uniform, uniforms
+from batchllm.engine.sampler import filtered_probs, row_key, sample_ids, uniform, uniforms
 from batchllm.rows.record import Row
 
 
@@ -85,8 +85,8 @@ def test_sampled_tokens_follow_the_distribution(top_k: int, top_p: float) -> Non
     filtered distribution."""
     logits = torch.tensor([0.3, 2.0, -1.0, 1.0, 0.5, 1.9])
     n, t = 20000, 0.7
-    draws = sample(logits.expand(n, -1).contiguous(), [t] * n, [top_k] * n, [top_p] * n,
-                   [row_key(3, "r")] * n, list(range(n)))
+    draws = sample_ids(logits.expand(n, -1).contiguous(), [t] * n, [top_k] * n, [top_p] * n,
+                       [row_key(3, "r")] * n, list(range(n))).tolist()
     p = torch.softmax(logits.double() / t, -1)
     order = p.argsort(descending=True)
     kept = torch.zeros_like(p, dtype=torch.bool)

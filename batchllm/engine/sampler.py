@@ -76,18 +76,6 @@ def uniforms(keys: np.ndarray, counters: np.ndarray) -> np.ndarray:
     return (z >> np.uint64(11)).astype(np.float64) / float(1 << 53)
 
 
-def sample(
-    logits: torch.Tensor,  # [S, V] fp32
-    temperature: Sequence[float] | np.ndarray,  # [S]
-    top_k: Sequence[int] | np.ndarray,  # [S]
-    top_p: Sequence[float] | np.ndarray,  # [S]
-    keys: Sequence[int] | np.ndarray,  # [S] uint64
-    counters: Sequence[int] | np.ndarray,  # [S]: tokens the row generated so far
-) -> list[int]:
-    """`sample_ids` as a list on the host."""
-    return sample_ids(logits, temperature, top_k, top_p, keys, counters).tolist()
-
-
 def sample_ids(
     logits: torch.Tensor,  # [S, V] fp32
     temperature: Sequence[float] | np.ndarray,  # [S]

@@ -71,3 +71,38 @@ def concat_ranges(starts: np.ndarray, lens: np.ndarray) -> np.ndarray:
     total = int(lens.sum())
     shift = np.asarray(starts, np.int64) - (np.cumsum(lens) - lens)
     return np.repeat(shift, lens) + np.arange(total, dtype=np.int64)
+
+
+_CHUNK_ELEMS = 1 << 20  # tokens of the windows compared at once (a few MiB, whatever the job)
+
+
+def _windows(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
+    """[len(starts), width]: tokens[s : s + width] per start; positions past the end of `tokens`
+    read clipped values (callers mask every position past a prompt's end)."""
+    if len(tokens) < width:
+        tokens = np.concatenate([tokens, np.zeros(width - len(tokens), tokens.dtype)])
+    last = len(tokens) - width
+    # one overlapping "void" item per window start: a 1-D gather copies whole windows at once
+    item = np.dtype((np.void, tokens.itemsize * width))
+    view = np.ndarray((last + 1,), item, buffer=tokens, strides=(tokens.itemsize,))
+    out = view[np.minimum(starts, last)].view(tokens.dtype).reshape(len(starts), width)
+    late = np.flatnonzero(starts > last)
+    if len(late):
+        out[late] = tokens[np.minimum(starts[late, None] + np.arange(width), len(tokens) - 1)]
+    return out
+
+
+def window_agreement(tokens: np.ndarray, at: np.ndarray, head_at: np.ndarray,
+               width: int) -> np.ndarray:
+    """[M] how many of the `width` tokens from `at` equal those from `head_at` before the first
+    difference (width when all do). Compared _CHUNK_ELEMS tokens at a time: the windows of a
+    whole round (2 x M x width ids and M x width flags, ~580 bytes a row at width 64) would
+    be the plan's largest temporary, growing with the job's rows."""
+    agree = np.empty(len(at), np.int64)
+    step = max(1, _CHUNK_ELEMS // width)
+    for lo in range(0, len(at), step):
+        hi = lo + step
+        neq = _windows(tokens, at[lo:hi], width) != _windows(tokens, head_at[lo:hi], width)
+        first = neq.argmax(axis=1)
+        agree[lo:hi] = np.where(neq[np.arange(len(first)), first], first, width)
+    return agree

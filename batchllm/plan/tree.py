@@ -23,44 +23,11 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from batchllm.plan.arrays import RangeMin, concat_ranges, node_depths
+from batchllm.plan.arrays import RangeMin, concat_ranges, node_depths, window_agreement
 
 _WINDOW_ELEMS = 1 << 25  # a round with more members compares fewer tokens a member (>= 4)
 _MAX_WIDTH = 64  # longer windows waste more compares where a group splits
-_CHUNK_ELEMS = 1 << 20  # tokens of the windows compared at once (a few MiB, whatever the job)
 _END = np.iinfo(np.int64).min  # split key of "the prompt ends here": sorts before every token
-
-
-def _windows(tokens: np.ndarray, starts: np.ndarray, width: int) -> np.ndarray:
-    """[len(starts), width]: tokens[s : s + width] per start; positions past the end of `tokens`
-    read clipped values (callers mask every position past a prompt's end)."""
-    if len(tokens) < width:
-        tokens = np.concatenate([tokens, np.zeros(width - len(tokens), tokens.dtype)])
-    last = len(tokens) - width
-    # one overlapping "void" item per window start: a 1-D gather copies whole windows at once
-    item = np.dtype((np.void, tokens.itemsize * width))
-    view = np.ndarray((last + 1,), item, buffer=tokens, strides=(tokens.itemsize,))
-    out = view[np.minimum(starts, last)].view(tokens.dtype).reshape(len(starts), width)
-    late = np.flatnonzero(starts > last)
-    if len(late):
-        out[late] = tokens[np.minimum(starts[late, None] + np.arange(width), len(tokens) - 1)]
-    return out
-
-
-def _agreement(tokens: np.ndarray, at: np.ndarray, head_at: np.ndarray,
-               width: int) -> np.ndarray:
-    """[M] how many of the `width` tokens from `at` equal those from `head_at` before the first
-    difference (width when all do). Compared _CHUNK_ELEMS tokens at a time: the windows of a
-    whole round (2 x M x width ids and M x width flags, ~580 bytes a row at width 64) would
-    be the plan's largest temporary, growing with the job's rows."""
-    agree = np.empty(len(at), np.int64)
-    step = max(1, _CHUNK_ELEMS // width)
-    for lo in range(0, len(at), step):
-        hi = lo + step
-        neq = _windows(tokens, at[lo:hi], width) != _windows(tokens, head_at[lo:hi], width)
-        first = neq.argmax(axis=1)
-        agree[lo:hi] = np.where(neq[np.arange(len(first)), first], first, width)
-    return agree
 
 
 def _sort_with_lcp(
@@ -82,7 +49,7 @@ def _sort_with_lcp(
         rem = lengths[rows] - g_depth[gi]  # tokens left past the group's depth
         width = int(max(1, min(rem.max(), _MAX_WIDTH, max(4, _WINDOW_ELEMS // len(gi)))))
         at = starts[rows] + g_depth[gi]  # [M] where each member's window starts
-        agree = _agreement(tokens, at, at[head][gi], width)
+        agree = window_agreement(tokens, at, at[head][gi], width)
         agree = np.minimum(np.minimum(agree, rem), np.repeat(rem[head], sizes))
         shared = np.minimum.reduceat(agree, head)  # [G] tokens all members share past depth
         split = shared < width
