@@ -4,7 +4,8 @@ A tiny random Qwen2 (biases, an untied lm_head) saved by transformers in 4 MB sh
 index, beside a consolidated.safetensors of other tensor names (as Mistral's repositories ship
 one): the index decides what is read, and the folder gives transformers' greedy tokens. The
 same files in a Hugging Face cache layout (models--org--name/blobs, snapshots/<commit>/ links,
-refs/main) under a temporary HF_HOME, offline: `batchllm run` with model.path org/name gives
+refs/main) as huggingface_hub's cache (its constants patched: HF_HOME is read at its import),
+offline: `batchllm run` with model.path org/name gives
 the plain folder's tokens; revisions by commit and by tag; what is missing is named.
 """
 
@@ -14,10 +15,8 @@ import atexit
 import functools
 import hashlib
 import json
-import os
 import shutil
 import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 from hf_reference import assert_tokens_match, hf_greedy_reference, hf_model, tiny_model_folder
+from job_files import run_in_process
 from safetensors.torch import save_file
 from test_engine_equivalence import MAX_TOKENS, nested_prompts
 
@@ -36,7 +36,6 @@ from batchllm.model.resolve import resolve_model
 from batchllm.model.shards import INDEX, tensor_files, weight_files
 from batchllm.model.weights import load_weights
 
-BATCHLLM = str(Path(sys.executable).parent / "batchllm")
 REPO, COMMIT = "acme/tiny-qwen2", "0123456789abcdef0123456789abcdef01234567"
 PROMPTS = ["The parties agree that", "Who pays the fees?", "The parties agree that the term",
            "Notice must be given"]
@@ -171,25 +170,25 @@ def _job(tmp: Path, name: str, model: str, **model_fields) -> Path:
     return path
 
 
-def _run(job: Path, hf_home: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "HF_HOME": str(hf_home), "HF_HUB_OFFLINE": "1"}
-    return subprocess.run([BATCHLLM, "run", str(job), "--quiet"], capture_output=True, text=True,
-                          env=env, timeout=600, check=False)
+def _run(job: Path) -> subprocess.CompletedProcess:
+    """`batchllm run JOB --quiet` in this process (job_files.run_in_process), huggingface_hub's
+    cache and offline flag as the offline_cache fixture set them."""
+    return run_in_process("run", str(job), "--quiet")
 
 
-def test_a_hub_id_runs_offline_with_the_plain_folders_tokens(tmp_path: Path) -> None:
-    hf_home = tmp_path / "hf"
-    hub_cache(hf_home, sharded_folder())
-    plain = _run(_job(tmp_path, "plain", str(sharded_folder())), hf_home)
-    by_id = _run(_job(tmp_path, "hub", REPO, revision=COMMIT), hf_home)
+def test_a_hub_id_runs_offline_with_the_plain_folders_tokens(offline_cache: Path) -> None:
+    tmp = offline_cache
+    hub_cache(tmp, sharded_folder())
+    plain = _run(_job(tmp, "plain", str(sharded_folder())))
+    by_id = _run(_job(tmp, "hub", REPO, revision=COMMIT))
     assert plain.returncode == 0 and by_id.returncode == 0, plain.stderr + by_id.stderr
-    tokens = [pq.read_table(tmp_path / n / "out.parquet").column("token_ids").to_pylist()
+    tokens = [pq.read_table(tmp / n / "out.parquet").column("token_ids").to_pylist()
               for n in ("plain", "hub")]
     assert tokens[0] == tokens[1] and all(len(t) > 0 for t in tokens[0])
-    missing = _run(_job(tmp_path, "missing", "acme/no-such-model"), hf_home)
+    missing = _run(_job(tmp, "missing", "acme/no-such-model"))
     assert missing.returncode == 2
     assert missing.stderr.strip() == (
         f"batchllm: error: model.path: acme/no-such-model (revision main): not in the cache; "
         f"looked for config.json, the tokenizer and the weights in the Hugging Face cache "
-        f"{hf_home / 'hub'} (HF_HUB_OFFLINE is set: no download); no local folder "
+        f"{tmp / 'hub'} (HF_HUB_OFFLINE is set: no download); no local folder "
         f"acme/no-such-model either")
