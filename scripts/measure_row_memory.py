@@ -11,12 +11,12 @@ peak (~600 MiB, varying by tens of MiB from run to run) hides the rows' share.
     python scripts/measure_row_memory.py [--rows 4000,24000] [--max-tokens 16] [--logprobs 5]
                                          [--out DIR]
 
-Since 2026-12-03 (engine commit de025b1: a step's log-probabilities kept as tensors) a 64-row
-job's heap grows ~400 MiB in its first steps and stays there (fixed, not per row; glibc keeps
-it): the warm-up ends near 1,080 MiB instead of ~700, and the measured job first reuses that
-freed heap, so a peak here can hide up to a few hundred MiB of growth. Per-phase figures
-(tracemalloc, or /proc/self/status VmHWM around a phase in a process of its own) are the
-sharper tool for a single change.
+From 2026-12-03 (engine commit de025b1) to 2026-12-04 (41fddc0) a step's log-probabilities were
+kept as small tensors until its last row finished: a 64-row job's heap grew ~400 MiB in its first
+steps and stayed there (fragmentation: gone after malloc_trim), which a peak here could hide. Now
+turned into lists when the step's ids are read: 64 rows, logprobs 5, VmRSS after the job 1,038 ->
+763 MiB. Per-phase figures (tracemalloc, or /proc/self/status VmHWM around a phase in a process of
+its own) are the sharper tool for a single change.
 
 The job (issue 27): short templated prompts on a tiny random Llama (tests/hf_reference.py) on the
 CPU, sampled, each row `--max-tokens` tokens with `--logprobs` alternatives. Prints one JSON line

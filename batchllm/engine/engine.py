@@ -275,6 +275,7 @@ class Engine:
             else:
                 where.append(len(seq.token_ids))
                 seq.token_ids.append(-1 - issued.base - j)
+        got = None
         if scored is not None:
             got, rows = scored
             entry = {int(i): n for n, i in enumerate(rows.tolist())}
@@ -283,7 +284,7 @@ class Engine:
                 if n is not None:
                     seq.logprobs.append((got, n))
         stats.completion_tokens += len(seqs)
-        return _Pending(seqs, idx, live, where, issued)
+        return _Pending(seqs, idx, live, where, issued, got)
 
     def _resolve(self, pending: _Pending, sched, rows: list[Row], on_row, stats) -> None:
         """The step's ids read on the host and written into the rows; the finished ones go to
@@ -292,6 +293,8 @@ class Engine:
         from the slots' arrays."""
         values, waited = pending.issued.read()
         self._kernel_seconds += waited  # the device's time, not the host's
+        if pending.logprobs is not None:  # its copies done with the ids' (the same event)
+            pending.logprobs.to_host()
         seqs, idx, slots = pending.seqs, pending.idx, self.slots
         tokens = [values[j] for j in pending.index]
         for seq, at, tok in zip(seqs, pending.where, tokens):
@@ -336,3 +339,4 @@ class _Pending(NamedTuple):
     index: list[int]  # each row's index in the step's ids
     where: list[int]  # each row's index of its new token in its ids; -1: appended when read
     issued: Issued
+    logprobs: StepLogprobs | None  # the step's, lists made when the ids are read

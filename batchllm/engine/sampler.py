@@ -129,7 +129,8 @@ def token_logprobs(
     """Each row's chosen token and its top-k under log_softmax(logits / temperature), where
     greedy rows use temperature 1 (the model's own distribution). Before top-k/top-p: those
     truncate the draw, and would make every logprob 0 or -inf under top_k 1. Left as tensors
-    (step_logprobs.py); alternatives the mask forbids (-inf) are left out of a record's `top`."""
+    (step_logprobs.py), their copies to the host started on CUDA; alternatives the mask forbids
+    (-inf) are left out of a record's `top`."""
     dev = logits.device
     temperature = np.asarray(temperature, dtype=np.float64)
     t = torch.from_numpy(np.where(temperature > 0, temperature, 1.0).astype(np.float32)).to(dev)
@@ -137,4 +138,4 @@ def token_logprobs(
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=dev)  # [R]
     chosen = lp.gather(1, tokens[:, None])[:, 0]  # [R]
     top_lp, top_id = lp.topk(int(np.max(k)), dim=-1)  # [R, kmax] each
-    return StepLogprobs(tokens, chosen, top_lp, top_id)
+    return StepLogprobs(tokens, chosen, top_lp, top_id).start()
