@@ -1,18 +1,18 @@
 """engine/stopping.py: stop strings matched on the newly decoded text only, with the real
-SmolLM2 tokenizer: each step searches at most the longest stop string's length - 1 characters
-plus the new text (and decodes a few tokens), however long the output; where it stops and the
-text it returns are those of decoding the whole output and searching all of it."""
+SmolLM2 tokenizer: a step decodes only rows whose new token may end a stop string, and then
+searches at most the longest stop string's length - 1 characters plus the text of the tokens since
+the row's last decode (a few tokens), however long the output; where it stops and the text it
+returns are those of decoding the whole output and searching all of it."""
 
 from __future__ import annotations
 
-import itertools
 import random
 
 import pytest
 from hf_reference import smollm2_folder
 
 from batchllm.engine.request import Kind, Request
-from batchllm.engine.stopping import StopChecker
+from batchllm.engine.stopping import _MAX_SKIP, StopChecker
 from batchllm.model.tokenizer import load_tokenizer
 from batchllm.sampling_params import SamplingParams
 
@@ -64,18 +64,24 @@ def test_each_step_scans_the_new_text_and_a_stop_length_before_it(tokenizer) -> 
     scanned, bound, decoded = [], [], []
     lengths = [0]  # of the text of out[:k]: ASCII, so each token adds its own text
     assert "".join(tokenizer.decode([t]) for t in out) == text
+    last = [0]  # the step of the last decode
 
     def on_step(k: int) -> None:
         lengths.append(lengths[-1] + len(tokenizer.decode([out[k - 1]])))
         scanned.append(checker.scanned_chars)
-        bound.append(min(longest - 1, lengths[-2]) + lengths[-1] - lengths[-2])
         decoded.append(checker.decoded_tokens)
+        if checker.decoded_tokens:
+            bound.append(min(longest - 1, lengths[last[0]]) + lengths[k] - lengths[last[0]])
+            last[0] = k
+        else:
+            bound.append(0)
 
     taken, got, reason = _feed(checker, out, sp, on_step)
     assert (taken, reason) == (len(out), "length") and got == text
     assert all(s <= b for s, b in zip(scanned, bound)), max(s - b for s, b in zip(scanned, bound))
-    assert max(scanned) <= longest - 1 + max(b - a for a, b in itertools.pairwise(lengths))
-    assert max(decoded) <= 3  # the new token and the one before it, twice
+    # neither '>' nor a newline is in the text: a row is decoded once every _MAX_SKIP + 1 tokens
+    assert sum(d > 0 for d in decoded) <= len(out) // (_MAX_SKIP + 1) + 1
+    assert max(decoded) <= 3 * (_MAX_SKIP + 1)  # the tokens since the last decode, and those before
 
 
 def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer) -> None:
@@ -101,3 +107,25 @@ def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer) -> None:
         assert _feed(StopChecker(tokenizer, {EOS}, 100_000), out, sp) == want, (out, sp.stop)
         checked += want[2] == "stop"
     assert checked > 100  # most trials end at a stop string (the rest: max_tokens)
+
+
+def test_a_stop_ending_in_a_space_is_found_where_a_metaspace_token_adds_it() -> None:
+    """SentencePiece-style tokens decode alone without their leading space ('of', not ' of'):
+    a stop string ending in a space must still end at the token that adds it."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "</s>": 1}
+    for word in ("the", "end", "of", "lease", "tenant", "pays"):
+        vocab["\u2581" + word] = len(vocab)
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Metaspace()
+    backend.decoder = decoders.Metaspace()
+    tok = PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="<unk>", eos_token="</s>")
+    out = tok.encode("the end of the lease the tenant pays the end", add_special_tokens=False)
+    assert tok.decode([out[2]]) == "of"  # alone, without the space it adds in context
+    for stops in (["end "], ["end ", "pays"], ["lease the"]):
+        sp = SamplingParams(max_tokens=len(out), stop=stops, ignore_eos=True)  # EOS is id 2 there
+        want = _reference(tok, out, sp)
+        assert want[2] == "stop"
+        assert _feed(StopChecker(tok, {1}, 100_000), out, sp) == want, stops

@@ -135,7 +135,7 @@ class Engine:
                 break
             step = sched.schedule()
             wants = [
-                s.computed + n == s.total and (s.kind is Kind.ROW or s.wants_logits)
+                s.computed + n == len(s.token_ids) and (s.kind is Kind.ROW or s.wants_logits)
                 for s, n in zip(step.seqs, step.num_tokens)
             ]
             # Partial pages of shared prefixes are copied even in a step that runs no token.

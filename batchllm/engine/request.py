@@ -37,6 +37,7 @@ class Request:
     finish_reason: str | None = None
     finished: bool = False  # its result is out: a token sampled for it since is discarded
     text: str | None = None
+    scan: object | None = None  # the stop checker's incremental decode of its output (rows with stop strings)
 
     @property
     def total(self) -> int:

@@ -9,17 +9,24 @@ _MAX_WAIT tokens. A stop string found this step must end in the new text, so it 
 new text and the longest stop string's length minus one characters before it: that is all a
 step searches, whatever the output's length (config.limits caps stop strings at MAX_STOP of
 MAX_STOP_CHARS characters). The text so far is the emitted pieces, joined once, at a stop.
+
+A stop string can only end in a token whose text holds its last character, so a row whose new
+token cannot end one is not decoded that step (most steps of most rows): its token joins the next
+decode, up to _MAX_SKIP tokens later. A token's own text (decoded alone, once per token id) tells:
+decoded in context it gains at most a leading space (SentencePiece's Metaspace, WordPiece), and a
+token that splits a character decodes alone to U+FFFD or nothing, so those are always decoded, and
+a row with a stop string that ends in a space is decoded every step.
 """
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 
 from batchllm.engine.request import Request
 
 _MAX_WAIT = 16  # tokens decoded again while the text ends inside a character, at most
 _BATCH_DECODE_FROM = 32  # sequences; fewer are decoded one by one
+_MAX_SKIP = 8  # tokens that cannot end a stop string left undecoded in a row, at most
 
 
 @dataclass(eq=False)
@@ -32,6 +39,8 @@ class _Scan:
     emitted: int = 0  # characters of text emitted so far
     pieces: list[str] = field(default_factory=list)
     tail: str = ""
+    ends: str = ""  # the last characters of the row's stop strings; "" when it never skips
+    skipped: int = 0  # output tokens [read, read + skipped) not decoded: none can end a stop
 
 
 class StopChecker:
@@ -46,7 +55,7 @@ class StopChecker:
         self.tokenizer = tokenizer
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
-        self._scans: dict[int, tuple[weakref.ref, _Scan]] = {}  # id(seq) -> its scan
+        self._texts: dict[int, str | None] = {}  # token -> its text alone; None: it splits one
         self.scanned_chars = 0
         self.decoded_tokens = 0
 
@@ -81,7 +90,14 @@ class StopChecker:
                 done[i] = True
             elif sp.stop:
                 n = len(seq.token_ids) - seq.num_prompt_tokens  # no copy of the output
-                scanning.append((i, seq, self._scan(seq, n), n))
+                scan = self._scan(seq, n)
+                if (scan.ends and scan.read + scan.skipped == n - 1 and scan.skipped < _MAX_SKIP
+                        and not self._can_end(seq.token_ids[-1], scan.ends)):
+                    scan.skipped += 1
+                    self.scanned_chars = self.decoded_tokens = 0
+                    done[i] = self._length(seq)
+                else:
+                    scanning.append((i, seq, scan, n))
             else:
                 done[i] = self._length(seq)
         if not scanning:
@@ -112,18 +128,25 @@ class StopChecker:
         return False
 
     def final_text(self, seq: Request) -> str:
-        self._scans.pop(id(seq), None)
+        seq.scan = None
         return seq.text if seq.text is not None else self.decode(seq.output_ids)
 
     def _scan(self, seq: Request, n: int) -> _Scan:
         """The row's scan; n: its output's length."""
-        key = id(seq)
-        hit = self._scans.get(key)
-        if hit is not None and hit[0]() is seq and hit[1].read <= n:
-            return hit[1]
-        scan = _Scan()  # a sequence seen first (or its output replaced): decoded from the start
-        self._scans[key] = (weakref.ref(seq, lambda _, k=key: self._scans.pop(k, None)), scan)
+        scan = seq.scan
+        if scan is None or scan.read + scan.skipped > n:  # seen first (or output replaced)
+            stops = seq.sampling.stop
+            spaced = any(s.endswith(" ") for s in stops)
+            scan = seq.scan = _Scan(ends="" if spaced else "".join(sorted({s[-1] for s in stops})))
         return scan
+
+    def _can_end(self, token: int, ends: str) -> bool:
+        """Whether the token's text, decoded in context, may hold one of `ends`."""
+        text = self._texts.get(token, "")
+        if text == "":  # not seen yet
+            text = self.decode([token])
+            text = self._texts[token] = None if not text or "\ufffd" in text else text
+        return text is None or any(map(text.__contains__, ends))
 
     def _stop_text(self, seq: Request, scan: _Scan, n: int, before: str,
                    text: str) -> str | None:
@@ -150,7 +173,7 @@ class StopChecker:
         those tokens). Not final while it ends inside a character, for up to _MAX_WAIT tokens."""
         self.decoded_tokens = 2 * (scan.read - scan.prefix) + n - scan.read
         new = text[len(before):]
-        if (not new or new.endswith("\ufffd")) and n - scan.read < _MAX_WAIT:
+        if (not new or new.endswith("\ufffd")) and n - scan.read - scan.skipped < _MAX_WAIT:
             return new, False
-        scan.prefix, scan.read = scan.read, n
+        scan.prefix, scan.read, scan.skipped = scan.read, n, 0
         return new, True
