@@ -5,7 +5,7 @@ step. The step's small tensors are not kept until its last row finishes: interle
 step's large temporaries they fragmented glibc's heap (~400 MiB kept after a 64-row job, issue
 27). On CUDA their copies to pinned host memory start with the step (`StepLogprobs.start`,
 before the sampled ids' copy and its event); the step is turned into lists (`to_host`) when
-its ids are read (Engine._resolve), after that event: no wait of its own.
+its ids are read (StepTokens.resolve), after that event: no wait of its own.
 """
 
 from __future__ import annotations
