@@ -11,6 +11,7 @@ within BF16_ULPS bfloat16 ulps of its top logit (`assert_tokens_match_bf16`).
 from __future__ import annotations
 
 import atexit
+import contextlib
 import functools
 import math
 import shutil
@@ -218,7 +219,22 @@ def _eos_ids(folder: Path) -> tuple[int, ...]:
     return tuple(sorted(eos_token_ids(folder, load_config(folder), load_tokenizer(folder))))
 
 
+@contextlib.contextmanager
+def one_thread():
+    """torch on one thread for the reference's generate: its many tiny ops pay an OpenMP barrier
+    each, and on a shared 2-core machine two threads made it 5-40x slower (gemma2's 15 prompts:
+    15.3 s on two threads, ~1 s on one). Same ops, same float32 values up to summation order,
+    which the near-tie rule already allows."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
 @torch.no_grad()
+@one_thread()
 def hf_greedy_reference(
     folder: Path,
     prompt_token_ids: list[list[int]],
@@ -300,6 +316,7 @@ def assert_tokens_match(
 
 
 @torch.no_grad()
+@one_thread()
 def hf_greedy_logits(
     folder: Path, prompt_token_ids: list[list[int]], max_new_tokens: int,
     dtype: torch.dtype = torch.bfloat16,

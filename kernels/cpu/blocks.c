@@ -139,6 +139,167 @@ static inline void dequant_rows8(int type, const uint8_t *const p[8], float *out
 }
 #endif
 
+#ifdef LANES
+/* Products of few rows (a decode step's) fused with the dequantization: a panel dequantized
+ * whole into memory and read back by tile.h's tiles costs more than the float32 panels' stream
+ * it saves when only M <= SMALL rows use it, so here each block's weights of 8 rows of W are
+ * dequantized step of k by step of k into a register and multiplied straight into the M rows'
+ * accumulators: for k in order, acc[r] = fma(x[r, k], w[k], acc[r]) from the bias, as tile.h's
+ * tiles do; y[r, j] is the same chain of FMAs, so the same value bit for bit. 256-bit lanes in
+ * the AVX-512 build too (the sums are lane by lane, the width changes no bit). The 8 rows are
+ * rb bytes apart (two base pointers and two strides address them all, no table of pointers in
+ * general registers), their block heads gathered, and x comes interleaved, xt[k * mr + r]: every
+ * step's broadcasts are constant offsets from one pointer. */
+#ifdef __AVX512F__
+#define SMALL 8 /* 32 vector registers: 8 accumulators and the dequantization's 9 fit */
+#else
+#define SMALL 5 /* 16: 5 accumulators, 4 transposed blocks, d, m, the mask, the gather index, w, x
+                  * (at 6 GCC spilled them: 37 ms a step at 6 rows against 21 at 1) */
+#endif
+
+/* transpose8x16 of the rows at p0 + j rb (p4 = p0 + 4 rb, r3 = 3 rb) */
+static inline __attribute__((always_inline)) void transpose_strided(const uint8_t *p0,
+                                                                   const uint8_t *p4,
+                                                                   int64_t rb, int64_t r3,
+                                                                   int64_t at, __m256i c[4]) {
+    const uint8_t *const p[8] = {p0, p0 + rb, p0 + 2 * rb, p0 + r3,
+                                 p4, p4 + rb, p4 + 2 * rb, p4 + r3};
+    transpose8x16(p, at, c);
+}
+
+/* acc[r] += x[r, k] w for r < mr: one step of k */
+#define STEP(k, w)                                                                     \
+    do {                                                                               \
+        __m256 w_ = (w);                                                               \
+        __asm__("" : "+v"(w_)); /* -ffast-math: no dequant product fused into these */ \
+        _Pragma("GCC unroll 8") for (int r = 0; r < mr; r++) acc[r] =                  \
+            _mm256_fmadd_ps(_mm256_broadcast_ss(xk + (k) * mr + r), w_, acc[r]);       \
+    } while (0)
+
+/* out[r * NR + j] = (x W^T + b)[r, j] for r < mr, j < 8, over the 8 rows of W at w + j rb;
+ * xt [K, mr] x interleaved; next: the bytes of the next rows to ask into L2 meanwhile */
+static inline __attribute__((always_inline)) void fused_rows8(
+    const int mr, const int type, const float *xt, int64_t K, const uint8_t *w, int64_t rb,
+    const uint8_t *next, const float *bias, float *out) {
+    const int64_t bb = block_bytes(type), r3 = 3 * rb;
+    __m256 acc[SMALL];
+    const __m256 b = bias ? _mm256_loadu_ps(bias) : _mm256_setzero_ps();
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) acc[r] = b;
+    const __m256i nib = _mm256_set1_epi8(15);
+    const __m256i rows = _mm256_mullo_epi32(_mm256_set1_epi32((int)rb),
+                                            _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+    for (int64_t kb = 0; kb < K / QK; kb++) {
+        for (int64_t at = kb * LANES * bb; at < (kb + 1) * LANES * bb; at += 64)
+            _mm_prefetch((const char *)(next + at), _MM_HINT_T1);
+        const uint8_t *p0 = w + kb * bb, *p4 = p0 + 4 * rb;
+        const float *xk = xt + kb * QK * mr;
+        const __m256i h = _mm256_i32gather_epi32((const int *)p0, rows, 1);
+        const __m256 d = halves(h);
+        __m256i c[4];
+        if (type == Q8_0) {
+            const __m256 d24 = mul(d, _mm256_set1_ps(0x1p-24f));
+            for (int half = 0; half < 2; half++) {
+                transpose_strided(p0, p4, rb, r3, 2 + 16 * half, c);
+#pragma GCC unroll 16
+                for (int j = 0; j < 16; j++)
+                    STEP(16 * half + j, mul(d24, cvt(byte_of(c[j / 4], j % 4, 1))));
+            }
+            continue;
+        }
+        const __m256 m = type == Q4_1 ? halves(srli(h, 16)) : mul(d, _mm256_set1_ps(-8.f));
+        transpose_strided(p0, p4, rb, r3, type == Q4_1 ? 4 : 2, c);
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m256i lo = and_(c[g], nib);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++)
+                STEP(4 * g + t, _mm256_fmadd_ps(d, cvt(byte_of(lo, t, 0)), m));
+        }
+#pragma GCC unroll 4
+        for (int g = 0; g < 4; g++) {
+            const __m256i hi = and_(_mm256_srli_epi16(c[g], 4), nib);
+#pragma GCC unroll 4
+            for (int t = 0; t < 4; t++)
+                STEP(16 + 4 * g + t, _mm256_fmadd_ps(d, cvt(byte_of(hi, t, 0)), m));
+        }
+    }
+#pragma GCC unroll 8
+    for (int r = 0; r < mr; r++) _mm256_storeu_ps(out + r * NR, acc[r]);
+}
+#undef STEP
+
+#define FUSED(n, t) \
+    case n: fused_rows8(n, t, xt, K, w, rb, next, bias, out); break;
+#if SMALL > 6
+#define FUSED_TYPE(t) \
+    switch (mr) { FUSED(1, t) FUSED(2, t) FUSED(3, t) FUSED(4, t) FUSED(5, t) FUSED(6, t) \
+                  FUSED(7, t) FUSED(8, t) default: break; }
+#else
+#define FUSED_TYPE(t) \
+    switch (mr) { FUSED(1, t) FUSED(2, t) FUSED(3, t) FUSED(4, t) FUSED(5, t) default: break; }
+#endif
+
+/* fused_rows8 with mr (1 .. SMALL) and the type constants */
+static void fused_any(int64_t mr, int type, const float *xt, int64_t K, const uint8_t *w,
+                      int64_t rb, const uint8_t *next, const float *bias, float *out) {
+    if (type == Q8_0) {
+        FUSED_TYPE(Q8_0)
+    } else if (type == Q4_1) {
+        FUSED_TYPE(Q4_1)
+    } else {
+        FUSED_TYPE(Q4_0)
+    }
+}
+#undef FUSED_TYPE
+#undef FUSED
+
+/* The product of M <= SMALL rows, fused: in parallel over the panels of 16 rows of W, each in
+ * two halves of 8 (a last panel of fewer rows copied first, its last row repeated, so that
+ * its halves too are 8 rows rb bytes apart) */
+static void small_product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
+                          int type, const float *bias, int64_t N, float *y, Best *bests) {
+    const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
+    float *xt = malloc(sizeof(float) * K * M);
+    if (!xt) abort();
+    for (int64_t r = 0; r < M; r++)
+        for (int64_t k = 0; k < K; k++) xt[k * M + r] = x[r * lda + k];
+#pragma omp parallel if (M * count * NR * K >= PARALLEL_MACS)
+    {
+        int thread = 0;
+#ifdef _OPENMP
+        thread = omp_get_thread_num();
+#endif
+        float out[SMALL * NR] __attribute__((aligned(64)));
+        uint8_t *last = 0;
+#pragma omp for schedule(static)
+        for (int64_t p = 0; p < count; p++) {
+            const int64_t cols = N - p * NR < NR ? N - p * NR : NR;
+            const uint8_t *panel = w + p * NR * rb;
+            if (cols < NR) {
+                if (!last && !(last = malloc(NR * rb))) abort();
+                for (int64_t i = 0; i < NR; i++)
+                    memcpy(last + i * rb, panel + (i < cols ? i : cols - 1) * rb, rb);
+                panel = last;
+            }
+            for (int half = 0; half * LANES < cols; half++)
+                /* the next panel's half as far into it as this half is into this panel */
+                fused_any(M, type, xt, K, panel + half * LANES * rb, rb,
+                          w + (p + 1) * NR * rb + half * LANES * rb,
+                          bias ? bias + p * NR + half * LANES : 0, out + half * LANES);
+            if (bests) {
+                fold(bests + thread, out, M, cols, 0, p);
+            } else {
+                for (int64_t r = 0; r < M; r++)
+                    memcpy(y + r * N + p * NR, out + r * NR, cols * sizeof(float));
+            }
+        }
+        free(last);
+    }
+    free(xt);
+}
+#endif
+
 /* blocks kb0 .. kb0 + kbn - 1 of rows 0 .. cols - 1 of w (rb bytes a row) dequantized into
  * panel [32 kbn, 16] (64-byte aligned); the columns past cols repeat the last row (never
  * written out: tile.h). The next panel's rows are asked for into L2 meanwhile, as far into
@@ -190,6 +351,12 @@ static void dequant_panel(const uint8_t *w, int type, int64_t rb, int64_t kb0, i
  * blocks are read from memory once a step. */
 static void product(const float *x, int64_t M, int64_t lda, int64_t K, const uint8_t *w,
                     int type, const float *bias, int64_t N, float *y, Best *bests) {
+#ifdef LANES
+    if (M <= SMALL) {
+        small_product(x, M, lda, K, w, type, bias, N, y, bests);
+        return;
+    }
+#endif
     const int64_t count = (N + NR - 1) / NR, rb = K / QK * block_bytes(type);
     int64_t block = X_ROWS / (K * (int64_t)sizeof(float)) / MR * MR;
     if (block < 96) block = 96;
