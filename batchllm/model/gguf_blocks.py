@@ -12,11 +12,9 @@ applied here to the rows of blocks, the same rows in the same order.
 
 `take_blocks` puts them in a model's state in place of the converted folder's float32 weights
 (whose pages are then never read), where the model runs on the CPU in float32 from a folder
-batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. Off by default: on a 2-core
-AVX2 EPYC (1 thread, load 4-10) a SmolLM2 step from blocks ran 1.17x the float32 panels at 1 row,
-~1.0-1.1x at 16-64, 0.93-1.0x at 256-512; the short workload 12.5 / 11.0 s against 13.0 / 12.9 s,
-the contract one 39.8 / 35.0 s against 36.1 / 35.1 s (native / AVX2 builds, bench.py --weights
-both --isa both --threads 1 --repeat 2): not faster on both. The same bits either way
+batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. Off by default: they win only
+on steps of 1-5 rows (README, GGUF; scripts/bench_blocks.py), and whole jobs were not faster
+(bench.py --weights both, at the panel path's code). The same bits either way
 (tests/test_gguf_engine.py).
 """
 
