@@ -214,6 +214,6 @@ class Engine:
         return Request(
             Kind.ROW, key, r.prompt_ids, len(r.prompt_ids), parent=int(plan.row_parent[key]),
             sampling=sp, rng_key=row_key(sp.seed, r.id, r.sample), matcher=matcher,
-            logprobs=[] if r.wants_logprobs else None, state=self.slots,
+            state=self.slots,
             greedy=sp.temperature == 0 and matcher is None and not r.wants_logprobs,
         )

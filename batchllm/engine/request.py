@@ -24,14 +24,13 @@ class Request:
     """Compared by identity. Its page ids are its slot's `table` row (`pages`: a list copy),
     written by `set_pages` / `add_pages`."""
 
-    __slots__ = ("cached_tokens", "finish_reason", "key", "kind", "logprobs", "matcher",
+    __slots__ = ("cached_tokens", "finish_reason", "key", "kind", "matcher",
                  "num_prompt_tokens", "parent", "prompt", "rng_key", "sampling", "scan",
                  "slot", "state", "text", "wants_logits")
 
     def __init__(self, kind: Kind, key: int, prompt: list[int], num_prompt_tokens: int,
                  parent: int = -1, sampling: SamplingParams | None = None, rng_key: int = 0,
-                 matcher: object | None = None, logprobs: list | None = None,
-                 wants_logits: bool = False, greedy: bool = False,
+                 matcher: object | None = None, wants_logits: bool = False, greedy: bool = False,
                  state: RowSlots | None = None) -> None:
         """prompt: the prompt's ids (a prefix: its tokens); greedy: RowSlots.greedy."""
         self.kind = kind
@@ -42,7 +41,6 @@ class Request:
         self.sampling = sampling
         self.rng_key = rng_key  # per-sample generator key, from the job seed, row id, sample
         self.matcher = matcher  # structured output: the row's llguidance matcher
-        self.logprobs = logprobs  # per generated token (StepLogprobs, index), when asked for
         self.wants_logits = wants_logits  # a prefix whose last logits rows will sample from
         self.cached_tokens = 0  # prompt tokens taken from a shared prefix instead of computed
         self.finish_reason: str | None = None

@@ -4,8 +4,9 @@ ids updated in place, read by fancy indexing with a step's slots, the slot given
 request leaves the engine. A step's per-sequence work is then numpy over its slots, not Python
 over its Requests; a Request (request.py) reads and writes its own slot.
 
-Two 2-D arrays, their widths grown (doubled) on demand: `out` [slot, g] the g-th generated id
-(a placeholder < 0 until it is read, future_tokens.py), `table` [slot, j] the j-th page id.
+Three 2-D arrays, their widths grown (doubled) on demand: `out` [slot, g] the g-th generated id
+(a placeholder < 0 until it is read, future_tokens.py), `lp_at` [slot, g] where its
+log-probabilities are kept, `table` [slot, j] the j-th page id.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class RowSlots:
         "stop_ends": np.int64,  # its stop strings' last characters, as StopChecker numbers them
         "fast_skipped": np.int64,  # tokens left undecoded by StopChecker.skip_many, not yet
         # counted by its scan
+        "held": np.bool_,  # taken, not given back
         "renewed": np.bool_,  # its pages were replaced (not only appended to) since the CUDA
         # path's device table last copied them (block_table.py), or the slot is new
     }
@@ -54,6 +56,8 @@ class RowSlots:
         for name, dtype in self._FIELDS.items():
             setattr(self, name, np.zeros(capacity, dtype=dtype))
         self.out = np.zeros((capacity, width), dtype=np.int64)  # [slot, g] generated ids
+        self.lp_at = np.zeros((capacity, width), dtype=np.int64)  # [slot, g] its log-probability
+        # record's index in the LogprobLog (logprob_log.py)
         self.table = np.zeros((capacity, width), dtype=np.int32)  # [slot, j] page ids
         self.owner: list[object | None] = [None] * capacity  # the Request holding each slot
         self._free = list(range(capacity - 1, -1, -1))
@@ -65,7 +69,7 @@ class RowSlots:
             grown = np.zeros(self.capacity, dtype=dtype)
             grown[:old] = getattr(self, name)
             setattr(self, name, grown)
-        for name in ("out", "table"):
+        for name in ("out", "lp_at", "table"):
             a = getattr(self, name)
             grown = np.zeros((self.capacity, a.shape[1]), dtype=a.dtype)
             grown[:old] = a
@@ -74,7 +78,7 @@ class RowSlots:
         self._free = list(range(self.capacity - 1, old - 1, -1))
 
     def widen(self, name: str, width: int) -> None:
-        """`out` or `table` made at least `width` columns wide (doubling)."""
+        """`out`, `lp_at` or `table` made at least `width` columns wide (doubling)."""
         a = getattr(self, name)
         if width <= a.shape[1]:
             return
@@ -95,7 +99,7 @@ class RowSlots:
         self.generated[s] = self.computed[s] = self.num_pages[s] = self.borrowed[s] = 0
         self.stop_skips[s] = self.fast_skipped[s] = 0
         self.finished[s] = False
-        self.renewed[s] = True
+        self.renewed[s] = self.held[s] = True
         self.greedy[s] = greedy
         self.constrained[s] = matcher
         self.is_row[s] = sampling is not None
@@ -116,4 +120,5 @@ class RowSlots:
 
     def give_back(self, slot: int) -> None:
         self.owner[slot] = None
+        self.held[slot] = False
         self._free.append(slot)

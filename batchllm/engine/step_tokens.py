@@ -15,7 +15,8 @@ from batchllm.engine.future_tokens import Issued
 from batchllm.engine.grammar import Grammars
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.sampler import sample_ids, token_logprobs
-from batchllm.engine.step_logprobs import StepLogprobs, records
+from batchllm.engine.logprob_log import LogprobLog
+from batchllm.engine.step_logprobs import StepLogprobs
 from batchllm.engine.stopping import StopChecker
 from batchllm.rows.record import Row
 
@@ -31,6 +32,7 @@ class StepTokens:
         self.stopper = stopper
         self.eos = eos  # [E] int64 end-of-sequence ids
         self.max_model_len = max_model_len
+        self.log = LogprobLog(slots)
         self.kernel_seconds = 0.0
 
     def sample(self, logits, idx: np.ndarray
@@ -77,20 +79,12 @@ class StepTokens:
         last = (generated >= slots.max_tokens[sl]) | (
             slots.num_prompt[sl] + generated >= self.max_model_len)
         slots.widen("out", int(generated.max()))
+        slots.widen("lp_at", int(generated.max()))
         go = ~last  # the rest take their token when it is read
         slots.out[sl[go], generated[go] - 1] = -1 - issued.base - live[go]
         slots.total[sl[go]] += 1
-        got = None
-        if scored is not None:
-            got, rows = scored
-            at = np.full(len(idx), -1, dtype=np.int64)
-            at[rows] = np.arange(len(rows))
-            owner = slots.owner
-            for s, n in zip(sl.tolist(), at[live].tolist()):
-                if n >= 0:
-                    owner[s].logprobs.append((got, n))
         stats.completion_tokens += len(sl)
-        return Pending(sl, live, generated, last, issued, got)
+        return Pending(sl, live, generated, last, issued, scored)
 
     def resolve(self, pending: Pending, sched, rows: list[Row], on_row, stats) -> None:
         """The step's ids read on the host and written into the rows; the finished ones go to
@@ -99,9 +93,14 @@ class StepTokens:
         from the slots' arrays."""
         values, waited = pending.issued.read()
         self.kernel_seconds += waited  # the device's time, not the host's
-        if pending.logprobs is not None:  # its copies done with the ids' (the same event)
-            pending.logprobs.to_host()
         sl, slots = pending.slots, self.slots
+        if pending.logprobs is not None:  # its copies done with the ids' (the same event)
+            step, scored = pending.logprobs
+            record = np.full(len(pending.issued.tokens), -1, dtype=np.int64)
+            record[scored] = np.arange(len(scored))  # each id's record in the step, -1: none
+            mine = record[pending.index]  # [L]
+            keep = mine >= 0
+            self.log.add(step, mine[keep], sl[keep], pending.generated[keep] - 1)
         tokens = values[pending.index]  # [L]
         slots.out[sl, pending.generated - 1] = tokens
         slots.total[sl[pending.last]] += 1  # appended now: no placeholder was
@@ -133,8 +132,9 @@ class StepTokens:
             if broke:  # cannot happen with the mask applied; an error row, not a crash
                 row.fail(f"structured output: {seq.matcher.get_error()}")
             else:
+                k = seq.sampling.logprobs
                 row.finish(seq.output_ids, next(texts), seq.finish_reason, seq.cached_tokens,
-                           records(seq.logprobs, seq.sampling.logprobs))
+                           self.log.take(seq.slot, seq.num_generated, k) if k else None)
             slots.finished[seq.slot] = True
             stats.rows_done += 1
             on_row(row)
@@ -151,4 +151,5 @@ class Pending(NamedTuple):
     generated: np.ndarray  # [L] its draw counter with this token: out[slot, generated - 1]
     last: np.ndarray  # [L] bool: its last token (a length limit), appended when read
     issued: Issued
-    logprobs: StepLogprobs | None  # the step's, lists made when the ids are read
+    logprobs: tuple[StepLogprobs, np.ndarray] | None  # the step's, and the indices of its
+    # scored rows among its ids; to the log when the ids are read
