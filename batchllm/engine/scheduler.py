@@ -255,7 +255,7 @@ class Scheduler:
     def finish_many(self, seqs: list[Request]) -> None:
         """Rows done in one step: their pages go back in that order and they leave `running`.
         With overlap a row may be found done after it was preempted (its last token read one
-        step late): it leaves `waiting` then."""
+        step late): it leaves `waiting` then, and drops the pin it held on its prefix."""
         if not seqs:
             return
         late = []
@@ -263,6 +263,8 @@ class Scheduler:
             self._release(seq)
             if self._running.pop(seq.slot, None) is None:
                 late.append(id(seq))
+                if seq.parent >= 0:  # the pin its preemption took (it will not attach again)
+                    self.prefixes.unpin(seq.parent)
         self._slots = None
         if late:
             self.waiting = deque(s for s in self.waiting if id(s) not in late)
