@@ -78,8 +78,10 @@ class StepTokens:
         slots.generated[sl] = generated
         last = (generated >= slots.max_tokens[sl]) | (
             slots.num_prompt[sl] + generated >= self.max_model_len)
-        slots.widen("out", int(generated.max()))
-        slots.widen("lp_at", int(generated.max()))
+        width = int(generated.max())
+        if width > slots.out.shape[1]:
+            slots.widen("out", width)
+            slots.widen("lp_at", width)
         go = ~last  # the rest take their token when it is read
         slots.out[sl[go], generated[go] - 1] = -1 - issued.base - live[go]
         slots.total[sl[go]] += 1
@@ -106,14 +108,12 @@ class StepTokens:
         slots.total[sl[pending.last]] += 1  # appended now: no placeholder was
         eos = slots.eos_stops[sl] & (tokens[:, None] == self.eos).any(axis=1)  # [L]
         # (np.isin costs ~0.1 ms a call)
-        maybe = slots.checked[sl] | pending.last | eos
-        at = np.flatnonzero(maybe)
+        maybe = slots.checked[sl] | pending.last | eos  # [L]
         # rows checked for their stop strings alone, whose token cannot end one: no check
-        plain = at[~(slots.constrained[sl[at]] | pending.last[at] | eos[at])]
+        plain = np.flatnonzero(maybe & ~(slots.constrained[sl] | pending.last | eos))
         if len(plain):
-            skipped = self.stopper.skip_many(slots, sl[plain], tokens[plain])
-            if skipped.any():
-                at = np.setdiff1d(at, plain[skipped], assume_unique=True)
+            maybe[plain[self.stopper.skip_many(slots, sl[plain], tokens[plain])]] = False
+        at = np.flatnonzero(maybe)
         if not len(at):
             return
         owner = slots.owner
