@@ -241,7 +241,7 @@ class Scheduler:
         ends = plan.slots[~st.is_row[plan.slots]]
         ends = ends[st.computed[ends] == st.total[ends]]
         if len(ends):
-            plan.seqs  # listed while the prefixes still hold their slots
+            plan.keep_seqs()  # before the prefixes give their slots back
         for slot in ends.tolist():
             seq = self._running[slot]
             self._stop_running(seq)

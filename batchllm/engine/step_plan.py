@@ -22,11 +22,15 @@ class StepPlan:
 
     @property
     def seqs(self) -> list[Request]:
-        """The Requests (listed once; before any gives its slot back, see Scheduler.step_done)."""
+        """The Requests, listed once (`keep_seqs`)."""
         if self._seqs is None:
             owner = self.state.owner
             self._seqs = [owner[s] for s in self.slots.tolist()]
         return self._seqs
+
+    def keep_seqs(self) -> None:
+        """List the Requests now, while every sequence of the step holds its slot."""
+        self._seqs = self.seqs
 
     @property
     def num_tokens(self) -> list[int]:

@@ -13,9 +13,9 @@ import torch
 
 from batchllm.engine.future_tokens import Issued
 from batchllm.engine.grammar import Grammars
+from batchllm.engine.logprob_log import LogprobLog
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.sampler import sample_ids, token_logprobs
-from batchllm.engine.logprob_log import LogprobLog
 from batchllm.engine.step_logprobs import StepLogprobs
 from batchllm.engine.stopping import StopChecker
 from batchllm.rows.record import Row

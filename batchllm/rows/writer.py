@@ -35,8 +35,8 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError
 from batchllm.rows import storage
 from batchllm.rows.fingerprint import canonical, differences, identity, loads, numerics_changed
-from batchllm.rows.merge import GROUP_BYTES, KEYS, FinalWriter, Part, merge_parts, write_parquet
 from batchllm.rows.logprob_column import logprobs_column
+from batchllm.rows.merge import GROUP_BYTES, KEYS, FinalWriter, Part, merge_parts, write_parquet
 from batchllm.rows.record import Row
 from batchllm.rows.redact import redact
 from batchllm.rows.samples import SAMPLE_FIELDS, done_keys, sample_values
