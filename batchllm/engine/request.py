@@ -74,10 +74,6 @@ class Request:
         return int(self.state.total[self.slot])
 
     @property
-    def finished(self) -> bool:
-        return bool(self.state.finished[self.slot])
-
-    @property
     def num_generated(self) -> int:
         """Generated ids held (the last one may be a placeholder not read yet)."""
         return self.total - self.num_prompt_tokens
@@ -92,26 +88,15 @@ class Request:
         return self.output()
 
     @property
-    def token_ids(self) -> list[int]:
-        """The prompt and the generated ids (a copy)."""
-        return [*self.prompt, *self.output()]
-
-    @property
     def last_token(self) -> int:
         g = self.num_generated
         return int(self.state.out[self.slot, g - 1]) if g else int(self.prompt[-1])
-
-    def ids(self, lo: int, hi: int) -> list[int]:
-        """Ids at positions lo..hi-1: the prompt's, then generated ones."""
-        n = self.num_prompt_tokens
-        got = list(self.prompt[lo:min(hi, n)])
-        return got + self.output(max(lo - n, 0), hi - n) if hi > n else got
 
     def append(self, token: int) -> None:
         """One more generated id (< 0: a placeholder until read)."""
         st, s = self.state, self.slot
         g = self.num_generated
-        st.widen("out", g + 1)
+        st.widen_out(g + 1)
         st.out[s, g] = token
         st.total[s] += 1
 

@@ -86,6 +86,12 @@ class RowSlots:
         grown[:, : a.shape[1]] = a
         setattr(self, name, grown)
 
+    def widen_out(self, width: int) -> None:
+        """`out` and `lp_at` made at least `width` columns wide."""
+        if width > self.out.shape[1]:
+            self.widen("out", width)
+            self.widen("lp_at", width)
+
     def take(self, num_prompt: int, sampling: SamplingParams | None, key: int = 0,
              matcher: bool = False, greedy: bool = False, samples: bool = True,
              owner: object | None = None) -> int:

@@ -78,10 +78,7 @@ class StepTokens:
         slots.generated[sl] = generated
         last = (generated >= slots.max_tokens[sl]) | (
             slots.num_prompt[sl] + generated >= self.max_model_len)
-        width = int(generated.max())
-        if width > slots.out.shape[1]:
-            slots.widen("out", width)
-            slots.widen("lp_at", width)
+        slots.widen_out(int(generated.max()))
         go = ~last  # the rest take their token when it is read
         slots.out[sl[go], generated[go] - 1] = -1 - issued.base - live[go]
         slots.total[sl[go]] += 1
