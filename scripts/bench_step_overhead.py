@@ -14,7 +14,10 @@ whole `generate` (planning included) and, inside it, the model's forward (`hidde
 lm_head as `greedy` or `logits`); the difference divided by the steps is the loop's own cost:
 scheduling, the step's inputs and metadata, sampling, stopping. The best of --repeat runs.
 --clock thread times everything in the main thread's CPU time instead of the wall clock: on a
-machine other jobs load, it leaves out the time the process waited for a core.
+machine other jobs load, it leaves out the time the process waited for a core. The model is
+loaded as `batchllm run` loads it (collector.start_up: the start-up heap frozen out of the
+garbage collector); before that, full collections over it (~0.1 s each, 4 in a 1,024-row run) were
+part of the figures.
 """
 
 from __future__ import annotations
