@@ -79,14 +79,12 @@ def part_row(row: Row) -> dict[str, Any]:
     return {**_line(row), **sample_values(row)}
 
 
-def _line(row: Row) -> dict[str, Any]:  # the log-probabilities as held: logprobs_column's
-    return {
-        "row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
-        "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
-        "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
-        "token_ids": row.token_ids, "id": row.id, "sample": row.sample,
-        "samples": row.num_samples, "logprobs": row.logprobs,
-    }
+def _line(row: Row) -> dict[str, Any]:  # part_row, log-probabilities as held (arrays)
+    return {"row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
+            "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
+            "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
+            "token_ids": row.token_ids, "id": row.id, "sample": row.sample,
+            "samples": row.num_samples, "logprobs": row.logprobs}
 
 
 OUTPUT_COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -174,9 +172,8 @@ class CheckpointWriter:
         if self._next_part is None:
             self._next_part = 1 + max((int(n[5:10]) for n in self._part_names()), default=-1)
         index, self._next_part = self._next_part, self._next_part + 1
-        columns = {f.name: pa.array([r.get(f.name) for r in rows], f.type)
-                   for f in _PART_FIELDS if f.name != "logprobs"}
-        columns["logprobs"] = logprobs_column([r["logprobs"] for r in rows])
+        columns = {f.name: logprobs_column([r[f.name] for r in rows]) if f.name == "logprobs"
+                   else pa.array([r.get(f.name) for r in rows], f.type) for f in _PART_FIELDS}
         columns["id"] = pa.array([r["id"] for r in rows])
         table = pa.table(columns).replace_schema_metadata(
             {FINGERPRINT_KEY: self._fingerprint_json.encode()})
@@ -286,13 +283,11 @@ def _mismatch(where: str, theirs: dict, ours: dict) -> str:
 
 
 def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
     if isinstance(x, dict):
         return {k: _finite(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
-    return x
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> str:
