@@ -196,3 +196,36 @@ def test_same_rows_with_overlap_on_the_triton_path(monkeypatch) -> None:
                     llm.last_metrics["steps_overlapped"] > 0))
     assert got[0][0] == got[1][0]
     assert got[1][1] and not got[0][1]
+
+
+def test_a_row_stopped_once_preempted_gives_its_prefix_pin_back(monkeypatch) -> None:
+    """With overlap a stop is read one step late; a row preempted in that step finishes from
+    the waiting queue, and the pin its preemption took on its shared prefix must go too (it
+    stayed: the prefix's pages in use after the job). Same rows as without overlap."""
+    from batchllm.engine.scheduler import Scheduler
+
+    rng = np.random.default_rng(0)
+    base = rng.integers(5, 4000, 40).tolist()
+    prompts = [base[: 8 + (i % 5) * 6] + rng.integers(5, 4000, 3 + i % 7).tolist()
+               for i in range(30)] + [base[:20]] * 2 + [base[:33]]
+    sp = [SamplingParams(max_tokens=3 + i % 9, temperature=0.7 if i % 2 else 0.0, seed=i,
+                         ignore_eos=i % 4 != 0, stop=["a", "e"] if i % 5 == 0 else [],
+                         n=2 if i % 11 == 0 else 1) for i in range(len(prompts))]
+    late = []
+    finish = Scheduler.finish_many
+
+    def spy(self, seqs):
+        late.extend(s for s in seqs if s not in self.running)
+        finish(self, seqs)
+
+    monkeypatch.setattr(Scheduler, "finish_many", spy)
+    got = {}
+    for overlap in (False, True):
+        llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu", page_size=4,
+                  max_batched_tokens=16, kv_cache_memory=48 << 10, overlap=overlap,
+                  max_num_seqs=8)
+        got[overlap] = [[(c.token_ids, c.finish_reason) for c in o.outputs]
+                        for o in llm.generate(prompts, sp)]
+        assert llm.last_metrics["preemptions"] > 0
+    assert late, "no row finished from the waiting queue"
+    assert got[True] == got[False]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from batchllm.engine.row_slots import PREFIX_SLOT, RowSlots
+from batchllm.engine.row_slots import RowSlots
 from batchllm.sampling_params import SamplingParams
 
 
@@ -14,7 +14,7 @@ def test_slots_hold_each_rows_settings_and_grow_past_their_capacity() -> None:
               for i in range(10)]
     taken = [slots.take(7 + i, sp, 1000 + i, matcher=i == 4, greedy=i % 2 == 0)
              for i, sp in enumerate(params)]
-    assert PREFIX_SLOT not in taken and len(set(taken)) == 10 and slots.capacity >= 11
+    assert len(set(taken)) == 10 and slots.capacity >= 10
     for i, s in enumerate(taken):
         sp = params[i]
         assert (slots.temperature[s], slots.top_k[s], slots.top_p[s]) == (

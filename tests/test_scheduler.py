@@ -9,15 +9,18 @@ import pytest
 
 from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
+from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.scheduler import KVCacheTooSmall, Scheduler, StepPlan
+
+SLOTS = RowSlots(4)  # the slots of this module's requests, as an engine's (grown as needed)
 
 
 def row(key: int, prompt: int, parent: int = -1) -> Request:
-    return Request(Kind.ROW, key, list(range(prompt)), prompt, parent=parent)
+    return Request(Kind.ROW, key, list(range(prompt)), prompt, parent=parent, state=SLOTS)
 
 
 def prefix(key: int, end: int, parent: int = -1) -> Request:
-    return Request(Kind.PREFIX, key, list(range(end)), end, parent=parent)
+    return Request(Kind.PREFIX, key, list(range(end)), end, parent=parent, state=SLOTS)
 
 
 def scheduler(num_pages: int, page_size: int, *seqs: Request, max_num_seqs: int = 8,
@@ -35,7 +38,7 @@ def step(sched: Scheduler) -> StepPlan:
     sched.step_done(plan)
     ran_to_end = [s for s in plan.seqs if s.kind is Kind.ROW and s.computed == s.total]
     for seq in ran_to_end + plan.from_prefix:
-        seq.token_ids.append(7)
+        seq.append(7)
     sched.check()
     return plan
 

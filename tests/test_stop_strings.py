@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 from hf_reference import smollm2_folder
 
@@ -24,11 +25,20 @@ def tokenizer():
     return load_tokenizer(smollm2_folder())
 
 
-def _feed(checker: StopChecker, out: list[int], sp: SamplingParams, on_step=None):
-    """The output fed one token at a time, as the engine does: (tokens taken, text, reason)."""
+def _feed(checker: StopChecker, out: list[int], sp: SamplingParams, on_step=None,
+          fast: list[int] | None = None):
+    """The output fed one token at a time, as the engine does: (tokens taken, text, reason).
+    fast: as the engine's StepTokens.resolve, a token that is neither an end of sequence nor
+    the last goes first through skip_many, and only a token not skipped there to check_many;
+    fast counts the tokens skipped so."""
     seq = Request(Kind.ROW, 0, [1, 3, 5], 3, sampling=sp)
     for k, tok in enumerate(out, 1):
-        seq.token_ids.append(tok)
+        seq.append(tok)
+        eos = not sp.ignore_eos and tok in checker.eos_ids
+        if fast is not None and not eos and k < sp.max_tokens and checker.skip_many(
+                seq.state, np.array([seq.slot]), np.array([tok]))[0]:
+            fast.append(k)
+            continue
         done = checker.check(seq)
         if on_step is not None:
             on_step(k)
@@ -84,10 +94,15 @@ def test_each_step_scans_the_new_text_and_a_stop_length_before_it(tokenizer) -> 
     assert max(decoded) <= 3 * (_MAX_SKIP + 1)  # the tokens since the last decode, and those before
 
 
-def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer) -> None:
+@pytest.mark.parametrize("fast", [False, True], ids=["check_many", "skip_many-first"])
+def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer, fast: bool) -> None:
     """Random outputs (byte-level tokens that split characters, special tokens, end of
-    sequence) and stop strings cut from their own text: the same step, text and reason."""
+    sequence) and stop strings cut from their own text: the same step, text and reason; also
+    with the engine's array skip first (one checker for all trials: the tokens it has seen are
+    known)."""
     rng = random.Random(0)
+    skipped: list[int] | None = [] if fast else None
+    shared = StopChecker(tokenizer, {EOS}, 100_000)
     base = "Le café coûte 3 €. 東京の天気は晴れ🙂. Clause 7(b): the tenant pays.\n\n"
     pool = tokenizer.encode(base * 3, add_special_tokens=False)
     pool += [tokenizer.convert_tokens_to_ids(t) for t in ("<|im_start|>", "<|im_end|>")]
@@ -104,9 +119,11 @@ def test_a_stop_is_found_where_a_whole_search_finds_it(tokenizer) -> None:
         sp = SamplingParams(max_tokens=rng.randint(3, 70), stop=stops or ["zz"],
                             ignore_eos=trial % 2 == 0)
         want = _reference(tokenizer, out, sp)
-        assert _feed(StopChecker(tokenizer, {EOS}, 100_000), out, sp) == want, (out, sp.stop)
+        checker = shared if fast else StopChecker(tokenizer, {EOS}, 100_000)
+        assert _feed(checker, out, sp, fast=skipped) == want, (out, sp.stop)
         checked += want[2] == "stop"
     assert checked > 100  # most trials end at a stop string (the rest: max_tokens)
+    assert not fast or len(skipped) > 300  # the array path did skip
 
 
 def test_a_stop_ending_in_a_space_is_found_where_a_metaspace_token_adds_it() -> None:

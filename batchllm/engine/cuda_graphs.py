@@ -16,6 +16,7 @@ path runs eagerly, so everything but the capture itself is what the tests run.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
 
 from batchllm.engine.step_batch import StepBatch
@@ -52,23 +53,24 @@ class DecodeGraphs:
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def inputs(self, batch: StepBatch, rows: list[int]) -> tuple[dict, tuple[int, bool]]:
+    def inputs(self, batch: StepBatch, rows: np.ndarray) -> tuple[dict, tuple[int, bool]]:
         """A decode-only step's values for the step buffers, padded to its bucket, and the key
-        of its graph (bucket, has groups)."""
-        n = len(batch.seqs)
+        of its graph (bucket, has groups). rows [B]: the sequences' device table rows."""
+        n = len(batch.seq_slots)
         b = self.bucket(n)
-        pad = b - n
+        pad = (0, b - n)
         values = {
-            "ids": [*batch.ids.tolist(), *[0] * pad],
-            "positions": [*batch.positions.tolist(), *[0] * pad],
-            "slots": [*batch.slots.tolist(), *[-1] * pad],
-            "seq_rows": [*rows, *[0] * pad],
-            "context_lens": [*batch.context_lens.tolist(), *[0] * pad],
-            "kv_start": [*batch.kv_start.tolist(), *[0] * pad],
+            "ids": np.pad(batch.ids, pad),
+            "positions": np.pad(batch.positions, pad),
+            "slots": np.pad(batch.slots, pad, constant_values=-1),
+            "seq_rows": np.pad(rows, pad),
+            "context_lens": np.pad(batch.context_lens, pad),
+            "kv_start": np.pad(batch.kv_start, pad),
         }
         if batch.groups:
             groups, real = b // 2 + 1, len(batch.groups)
-            values["prefix_rows"] = [*(rows[g.lo] for g in batch.groups), *[0] * (groups - real)]
+            values["prefix_rows"] = [*(int(rows[g.lo]) for g in batch.groups),
+                                     *[0] * (groups - real)]
             values["prefix_lens"] = [*(g.pages * self.page_size for g in batch.groups),
                                      *[0] * (groups - real)]
             values["cu_prefix_q"] = [0, *(g.hi for g in batch.groups), *[b] * (groups - real)]

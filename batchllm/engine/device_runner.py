@@ -21,12 +21,13 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import torch
 
 from batchllm.engine.block_table import BlockTable
 from batchllm.engine.cuda_graphs import DecodeGraphs
 from batchllm.engine.future_tokens import FutureTokens
-from batchllm.engine.request import Request
+from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.runner import StepOutput
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.engine.step_buffers import StepBuffers
@@ -57,18 +58,21 @@ class DeviceRunner:
             # at most, when it is first seen or was reset).
             "delta_index": (i64, seqs * max_pages), "delta_pages": (i32, seqs * max_pages),
         }, dev)
+        self.state = RowSlots(1)  # the engine's, set by each generate
         self.graphs = None
         if cuda_graphs:
             self.graphs = DecodeGraphs(model, attention, self.buffers, self.table.table,
                                        page_size, max_num_seqs, max_model_len,
                                        capture=dev.type == "cuda")
 
-    def forward_step(self, seqs: list[Request], counts: list[int], wants_logits: list[bool],
+    def forward_step(self, slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
                      greedy: bool = False, future: FutureTokens | None = None) -> StepOutput:
-        # greedy: unused, the logits stay on the device. future: placeholders among the ids
-        # (< 0) are resolved from it in the staged buffer, on the device
-        batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
-        rows, index, pages = self.table.update(batch.seqs)
+        """As ModelRunner.forward_step. greedy: unused, the logits stay on the device. future:
+        placeholders among the ids (< 0) are resolved from it in the staged buffer, on the
+        device."""
+        batch = build_batch(slots, counts, wants_logits, self.state, self.page_size,
+                            self.cascade)
+        rows, index, pages = self.table.update(batch.seq_slots, self.state)
         graph = self.graphs is not None and batch.decode_only
         values, key = self.graphs.inputs(batch, rows) if graph else (self._inputs(batch, rows),
                                                                        None)
@@ -84,24 +88,24 @@ class DeviceRunner:
         if graph:
             hidden = self.graphs.replay(key)
             replayed = self.graphs.capture
-            n = len(batch.seqs)
+            n = len(batch.seq_slots)
             hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[
-                torch.tensor(batch.sample_rows, device=self.device)]  # rare: a prefix's token
+                torch.from_numpy(batch.sample_rows).to(self.device)]  # rare: a prefix's token
         else:
             hidden = self._eager(batch)
         logits = self.model.logits(hidden)
         return StepOutput(logits, batch.sampled, batch.prefill_tokens, None,
                           time.perf_counter() - t0, replayed)
 
-    def _inputs(self, batch: StepBatch, rows: list[int]) -> dict:
+    def _inputs(self, batch: StepBatch, rows: np.ndarray) -> dict:
         values = {
             "ids": batch.ids, "positions": batch.positions, "slots": batch.slots,
             "seq_rows": rows, "sample_rows": batch.sample_rows, "cu_q": batch.cu_q,
             "context_lens": batch.context_lens, "kv_start": batch.kv_start,
-            "decode_seqs": [b for b, n in enumerate(batch.counts) if n == 1],
+            "decode_seqs": np.flatnonzero(batch.counts == 1),
         }
         if batch.groups:
-            values["prefix_rows"] = [rows[g.lo] for g in batch.groups]
+            values["prefix_rows"] = [int(rows[g.lo]) for g in batch.groups]
             values["prefix_lens"] = [g.pages * self.page_size for g in batch.groups]
             values["cu_prefix_q"] = batch.cu_q[[0, *(g.hi for g in batch.groups)]]
         return values
@@ -109,7 +113,7 @@ class DeviceRunner:
     def _eager(self, batch: StepBatch) -> torch.Tensor:
         """The staged step, eagerly -> hidden states of the sampled rows [S, H]."""
         dev = self.buffers.dev
-        t, b, s = batch.num_tokens, len(batch.seqs), len(batch.sample_rows)
+        t, b, s = batch.num_tokens, len(batch.seq_slots), len(batch.sample_rows)
         table = self.table.table
         meta = StepMetadata(
             slot_mapping=dev["slots"][:t],
@@ -117,7 +121,7 @@ class DeviceRunner:
             cu_q=dev["cu_q"][: b + 1],
             context_lens=dev["context_lens"][:b],
             kv_start=dev["kv_start"][:b],
-            decode_seqs=dev["decode_seqs"][: batch.counts.count(1)],
+            decode_seqs=dev["decode_seqs"][: int((batch.counts == 1).sum())],
             max_context=int(batch.context_lens.max()),
         )
         if batch.groups:

@@ -21,7 +21,7 @@ from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.runner import ModelRunner
-from batchllm.engine.sampler import greedy_only, row_key
+from batchllm.engine.sampler import row_key
 from batchllm.engine.scheduler import Scheduler
 from batchllm.engine.step_tokens import Pending, StepTokens
 from batchllm.engine.stopping import StopChecker
@@ -111,10 +111,12 @@ class Engine:
         needs the matcher to have seen the previous token, so that step's forward is launched,
         then the previous step resolved, then the mask filled and the step sampled."""
         pool = PagePool(self.num_pages)
-        self.slots = RowSlots(2 * self.max_num_seqs + 256)  # running and waiting rows
-        drawn = StepTokens(self.slots, self.grammars, self.stopper, self._eos, self.max_model_len)
+        slots = self.slots = RowSlots(2 * self.max_num_seqs + 256)  # running and waiting
+        self.runner.state = slots
+        drawn = StepTokens(slots, self.grammars, self.stopper, self._eos, self.max_model_len)
         users = {int(n): int(c) for n, c in enumerate(plan.node_users)}
-        sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users)
+        sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users,
+                          slots)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
         future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device)
         node_logits: dict[int, torch.Tensor] = {}
@@ -134,58 +136,54 @@ class Engine:
             if not sched.has_work:
                 break
             step = sched.schedule()
-            wants = [
-                s.computed + n == len(s.token_ids) and (s.kind is Kind.ROW or s.wants_logits)
-                for s, n in zip(step.seqs, step.num_tokens)
-            ]
             # Partial pages of shared prefixes are copied even in a step that runs no token.
             self.attention.copy_pages([s for s, _ in step.copies], [d for _, d in step.copies])
             out = None
-            if step.seqs:
+            logits, idx = None, np.zeros(0, dtype=np.int64)  # what samples: [S, V], slots [S]
+            if len(step.slots):
+                # its last position's logits are read: a row that ran to its end, or a prefix
+                # rows sample from
+                wants = slots.samples[step.slots] & (
+                    slots.computed[step.slots] + step.counts == slots.total[step.slots])
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
-                greedy = not step.from_prefix and bool(self.slots.greedy[
-                    np.fromiter((s.slot for s, w in zip(step.seqs, wants) if w), np.int64)].all())
-                out = self.runner.forward_step(step.seqs, step.num_tokens, wants, greedy, future)
+                greedy = not step.from_prefix and bool(slots.greedy[step.slots[wants]].all())
+                out = self.runner.forward_step(step.slots, step.counts, wants, greedy, future)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
                 forward_seconds = out.forward_seconds
+                idx, logits = out.sampled, out.logits
+                prefix = np.flatnonzero(~slots.is_row[idx])
+                if len(prefix):  # a prefix's logits are kept for the rows under it
+                    for i in prefix.tolist():
+                        node_logits[slots.owner[int(idx[i])].key] = logits[i]
+                    keep = np.flatnonzero(slots.is_row[idx])
+                    idx, logits = idx[keep], logits[torch.from_numpy(keep)]
             sched.step_done(step)
-            to_sample, sampling = [], []  # logits rows and the sequences they sample for
             issued = None
             if out is not None and out.tokens is not None:
-                sampling = out.sampled
                 issued = future.issue(out.tokens), None
-            elif out is not None:
-                for i, seq in enumerate(out.sampled):
-                    if seq.kind is Kind.PREFIX:
-                        node_logits[seq.key] = out.logits[i]
-                    else:
-                        to_sample.append(out.logits[i])
-                        sampling.append(seq)
-            for seq in step.from_prefix:
-                to_sample.append(node_logits[seq.parent])
-                sampling.append(seq)
-            if to_sample:
-                idx = np.fromiter((s.slot for s in sampling), np.int64, len(sampling))  # [S]
-                if pending is not None and self.slots.constrained[idx].any():
+            elif step.from_prefix:
+                idx = np.concatenate([idx, [s.slot for s in step.from_prefix]]).astype(np.int64)
+                logits = torch.stack([*(logits if logits is not None else []),
+                                      *(node_logits[s.parent] for s in step.from_prefix)])
+            if len(idx) and issued is None:
+                if pending is not None and slots.constrained[idx].any():
                     drawn.resolve(pending, sched, rows, on_row, stats)  # hold the overlap
                     pending = None
-                only_rows = not step.from_prefix and len(sampling) == out.logits.shape[0]
-                logits = out.logits if only_rows else torch.stack(to_sample)  # [S, V]
-                tokens, scored = drawn.sample(logits, sampling, idx)
+                tokens, scored = drawn.sample(logits, idx)  # logits [S, V], idx [S]
                 issued = future.issue(tokens), scored
             if pending is not None:
                 stats.steps_overlapped += issued is not None  # launched before ids were read
                 drawn.resolve(pending, sched, rows, on_row, stats)
                 pending = None
             if issued is not None:
-                pending = drawn.attach(sampling, *issued, stats)
+                pending = drawn.attach(idx, *issued, stats)
                 if pending is not None and not self.overlap:
                     drawn.resolve(pending, sched, rows, on_row, stats)
                     pending = None
             for node in [n for n in node_logits if n not in sched.prefixes]:
                 del node_logits[node]
-            stats.steps += bool(step.seqs or step.from_prefix or step.copies)
+            stats.steps += bool(len(step.slots) or step.from_prefix or step.copies)
             stats.preemptions = sched.preemptions
             stats.prefix_evictions = len(sched.prefixes.evicted)
             stats.kv_pages_in_use = pool.num_used
@@ -193,7 +191,7 @@ class Engine:
             stats.kv_pages_shared = pool.num_shared
             stats.kv_pages_shared_peak = pool.peak_shared
             stats.waiting = len(sched.waiting) + len(kinds) - cursor
-            stats.running = len(sched.running)
+            stats.running = sched.num_running
             if on_step is not None:
                 on_step(stats)
             elapsed = time.perf_counter() - started
@@ -208,18 +206,14 @@ class Engine:
         if kind == 0:  # a shared prefix node
             src = rows[int(plan.node_source_row[key])].prompt_ids
             end = int(plan.node_end[key])
-            return Request(
-                Kind.PREFIX, key, src[:end].tolist(), end, parent=int(plan.node_parent[key]),
-                wants_logits=key in terminal,
-            )
+            return Request(Kind.PREFIX, key, src[:end], end, parent=int(plan.node_parent[key]),
+                           wants_logits=key in terminal, state=self.slots)
         r = rows[key]
-        seq = Request(
-            Kind.ROW, key, r.prompt_ids.tolist(), len(r.prompt_ids),
-            parent=int(plan.row_parent[key]), sampling=r.sampling,
-            rng_key=row_key(r.sampling.seed, r.id, r.sample),
-            matcher=self.grammars.matcher(r.sampling),
-            logprobs=[] if r.wants_logprobs else None,
+        sp = r.sampling
+        matcher = self.grammars.matcher(sp)
+        return Request(
+            Kind.ROW, key, r.prompt_ids, len(r.prompt_ids), parent=int(plan.row_parent[key]),
+            sampling=sp, rng_key=row_key(sp.seed, r.id, r.sample), matcher=matcher,
+            state=self.slots,
+            greedy=sp.temperature == 0 and matcher is None and not r.wants_logprobs,
         )
-        seq.slot = self.slots.take(seq.num_prompt_tokens, r.sampling, seq.rng_key,
-                                   seq.matcher is not None, greedy_only(seq))
-        return seq

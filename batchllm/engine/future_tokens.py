@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from typing import NamedTuple
 
+import numpy as np
 import torch
 
 
@@ -27,13 +28,14 @@ class Issued(NamedTuple):
     event: torch.cuda.Event | None  # recorded after the copy (CUDA only)
     base: int  # index of tokens[0] in FutureTokens.dev: row i's placeholder is -(1 + base + i)
 
-    def read(self) -> tuple[list[int], float]:
-        """The ids on the host and the seconds waited for the device to produce them."""
+    def read(self) -> tuple[np.ndarray, float]:
+        """The ids [S] int64 on the host and the seconds waited for the device to produce
+        them."""
         t0 = time.perf_counter()
         if self.event is not None:
             self.event.synchronize()
         waited = time.perf_counter() - t0
-        return self.host.tolist(), waited
+        return self.host.numpy(), waited
 
 
 class FutureTokens:

@@ -12,34 +12,21 @@ The engine picks one (engine.py `make_runner`).
 from __future__ import annotations
 
 import time
-from itertools import chain
 from typing import NamedTuple
 
 import numpy as np
 import torch
 
 from batchllm.engine.future_tokens import FutureTokens
-from batchllm.engine.request import Request
+from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.step_batch import StepBatch, build_batch
 from batchllm.model.attention import PagedAttention, StepMetadata
 from batchllm.model.decoder import DecoderModel
 
 
-def page_table(seqs: list[Request]) -> np.ndarray:
-    """[B, max pages] int32: row b holds seqs[b].pages, zeros after. One flat pass over the
-    pages (itertools.chain), then a scatter: no numpy call per row."""
-    lengths = np.array([len(s.pages) for s in seqs], dtype=np.int64)  # [B]
-    table = np.zeros((len(seqs), int(lengths.max()) if len(seqs) else 0), dtype=np.int32)
-    flat = np.fromiter(chain.from_iterable(s.pages for s in seqs), np.int32, int(lengths.sum()))
-    starts = np.cumsum(lengths) - lengths  # [B]
-    rows = np.repeat(np.arange(len(seqs)), lengths)
-    table[rows, np.arange(len(flat)) - np.repeat(starts, lengths)] = flat
-    return table
-
-
 class StepOutput(NamedTuple):
     logits: torch.Tensor | None  # [S, V] fp32, one row per sequence in `sampled`
-    sampled: list[Request]
+    sampled: np.ndarray  # [S] int64: the slots of the sequences that sample
     prefill_tokens: int  # prompt tokens fed through the forward pass in this step
     tokens: torch.Tensor | None = None  # [S] int64 instead of logits: their argmax, for a
     # greedy step (on the device: the engine reads them when it needs them)
@@ -58,21 +45,26 @@ class ModelRunner:
         self.page_size = page_size
         self.cascade = cascade
         self.device = model.embed.device
+        self.state = RowSlots(1)  # the engine's, set by each generate
 
     def forward_step(
         self,
-        seqs: list[Request],
-        counts: list[int],
-        wants_logits: list[bool],
+        slots: np.ndarray,
+        counts: np.ndarray,
+        wants_logits: np.ndarray,
         greedy: bool = False,
         future: FutureTokens | None = None,
     ) -> StepOutput:
-        """greedy: every sequence that samples takes the argmax, which the lm_head may then
-        return instead of the logits (StepOutput.tokens). future: where the placeholders among
-        the sequences' ids (< 0: ids sampled last step, not yet read) are resolved."""
-        batch = build_batch(seqs, counts, wants_logits, self.page_size, self.cascade)
+        """slots [B], counts [B], wants_logits [B]: the step's sequences, the tokens each runs,
+        whether its last position's logits are read. greedy: every sequence that samples takes
+        the argmax, which the lm_head may then return instead of the logits
+        (StepOutput.tokens). future: where the placeholders among the sequences' ids (< 0: ids
+        sampled last step, not yet read) are resolved."""
+        batch = build_batch(slots, counts, wants_logits, self.state, self.page_size,
+                            self.cascade)
         dev = self.device
-        table = page_table(batch.seqs)  # [B, max_pages] int32
+        table = self.state.table[batch.seq_slots, : batch.max_pages]  # [B, max_pages] int32
+        table[np.arange(batch.max_pages) >= batch.num_pages[:, None]] = 0  # (stale ids)
         meta = StepMetadata(
             slot_mapping=torch.from_numpy(batch.slots).to(dev),
             page_table=torch.from_numpy(table).to(dev),
@@ -91,7 +83,7 @@ class ModelRunner:
             ids,
             torch.from_numpy(batch.positions).to(dev),
             self.attention,
-            torch.tensor(batch.sample_rows, dtype=torch.int64, device=dev),
+            torch.from_numpy(batch.sample_rows).to(dev),
         )  # [S, H]
         tokens = self.model.greedy(h) if greedy else None
         if tokens is not None:
@@ -105,7 +97,7 @@ class ModelRunner:
         dev = self.device
         pages = np.zeros((len(batch.groups), max(g.pages for g in batch.groups)), dtype=np.int32)
         for g, group in enumerate(batch.groups):
-            pages[g, : group.pages] = batch.seqs[group.lo].pages[: group.pages]
+            pages[g, : group.pages] = self.state.table[batch.seq_slots[group.lo], : group.pages]
         meta.cascade_rows = batch.cascade_rows
         meta.prefix_pages = torch.from_numpy(pages).to(dev)
         meta.prefix_lens = torch.tensor([g.pages * self.page_size for g in batch.groups],

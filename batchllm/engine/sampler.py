@@ -14,7 +14,6 @@ from collections.abc import Sequence
 import numpy as np
 import torch
 
-from batchllm.engine.request import Kind, Request
 from batchllm.engine.step_logprobs import StepLogprobs
 
 _MASK64 = (1 << 64) - 1
@@ -38,14 +37,6 @@ def uniform(key: int, counter: int) -> float:
     z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _MASK64
     z ^= z >> 31
     return (z >> 11) / float(1 << 53)
-
-
-def greedy_only(seq: Request) -> bool:
-    """Whether a sequence's next token is the plain argmax of its logits, nothing else read
-    from them: a row at temperature 0, no grammar mask, no logprobs (then the lm_head need not
-    write the logits; a shared prefix's logits are kept for the rows under it)."""
-    return (seq.kind is Kind.ROW and seq.sampling.temperature == 0 and seq.matcher is None
-            and seq.logprobs is None)
 
 
 def filtered_probs(

@@ -10,39 +10,16 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from typing import NamedTuple
+
+import numpy as np
 
 from batchllm.engine.pages import PagePool
 from batchllm.engine.prefix_store import PrefixStore
 from batchllm.engine.request import Kind, Request
+from batchllm.engine.row_slots import RowSlots
+from batchllm.engine.step_plan import PlanBuilder, StepPlan
 
 _LOOKAHEAD = 64  # waiting sequences scanned past one blocked on an unfinished prefix
-
-
-class StepPlan(NamedTuple):
-    seqs: list[Request]  # sequences that run tokens this step, in admission order
-    num_tokens: list[int]  # tokens each runs
-    copies: list[tuple[int, int]]  # (source page, destination page), to copy before the step
-    from_prefix: list[Request]  # rows admitted whose whole prompt is a computed prefix
-
-
-@dataclass
-class _PlanBuilder:
-    """The step plan as it is filled, with the token budget left."""
-
-    budget: int
-    seqs: list[Request] = field(default_factory=list)
-    num_tokens: list[int] = field(default_factory=list)
-    copies: list[tuple[int, int]] = field(default_factory=list)
-    from_prefix: list[Request] = field(default_factory=list)
-
-    def take(self, seq: Request, n: int) -> None:
-        self.seqs.append(seq)
-        self.num_tokens.append(n)
-        self.budget -= n
-
-    def build(self) -> StepPlan:
-        return StepPlan(self.seqs, self.num_tokens, self.copies, self.from_prefix)
 
 
 class KVCacheTooSmall(RuntimeError):
@@ -56,62 +33,64 @@ class Scheduler:
     max_num_seqs: int
     max_batched_tokens: int
     node_users: dict[int, int] = field(default_factory=dict)  # prefix node -> dependents
+    state: RowSlots | None = None  # the slots of every request it is given; None: the first's
     waiting: deque[Request] = field(default_factory=deque)  # hold no pages, computed 0
-    running: list[Request] = field(default_factory=list)  # in admission order
     prefixes: PrefixStore = field(init=False)  # `node in prefixes`: computed and held
     preemptions: int = 0
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixStore(self.pool, self.page_size)
+        self._running: dict[int, Request] = {}  # slot -> request, in admission order
+        self._slots: np.ndarray | None = None  # [R] their slots; None: to be made again
+
+    @property
+    def running(self) -> list[Request]:
+        """The running sequences, in admission order."""
+        return list(self._running.values())
+
+    @property
+    def num_running(self) -> int:
+        return len(self._running)
+
+    def _run(self, seq: Request) -> None:
+        self._running[seq.slot] = seq
+        self._slots = None
+
+    def _stop_running(self, seq: Request) -> None:
+        del self._running[seq.slot]
+        self._slots = None
+
+    def running_slots(self) -> np.ndarray:
+        """[R] int64: the running sequences' slots, in admission order (made again only after
+        the running set changed)."""
+        if self._slots is None:
+            self._slots = np.fromiter(self._running, np.int64, len(self._running))
+        return self._slots
 
     def add(self, seq: Request) -> None:
+        if self.state is None:
+            self.state = seq.state
         if seq.parent in self.prefixes.evicted:
             seq.parent = -1
         self.waiting.append(seq)
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self._running)
 
     def _pages_short(self, seq: Request, upto: int) -> int:
-        return max(0, -(-upto // self.page_size) - len(seq.pages))
+        return max(0, -(-upto // self.page_size) - seq.num_pages)
 
     def schedule(self) -> StepPlan:
-        plan = _PlanBuilder(self.max_batched_tokens)
-        preempted = False
-        i = 0
-        ps, running, pool = self.page_size, self.running, self.pool
-        seqs, num_tokens = plan.seqs, plan.num_tokens  # filled here directly: one row's cost
-        budget = plan.budget  # is a few operations, most of them a decode's, needing no page
-        while i < len(running) and budget > 0:
-            seq = running[i]
-            computed = seq.computed
-            n = min(len(seq.token_ids) - computed, budget)
-            if n <= 0:  # overlap: its last token (a length limit) is in flight, not yet read
-                i += 1
-                continue
-            need = -(-(computed + n) // ps) - len(seq.pages)
-            if need > 0:
-                while need > pool.num_free and running[-1] is not seq:
-                    self._preempt(running[-1])
-                    preempted = True
-                if need > pool.num_free:
-                    self._preempt(seq)
-                    preempted = True
-                    break
-                seq.pages += pool.allocate(need)
-            seqs.append(seq)
-            num_tokens.append(n)
-            budget -= n
-            i += 1
-        plan.budget = budget
+        plan = PlanBuilder(self.max_batched_tokens, self.state)
+        preempted = not self._schedule_running(plan)
         if not preempted:
             self._admit(plan)
         # Nothing runs and nothing fits: pinned prefixes hold the pages. Degrade: drop pinned
         # prefixes (their dependents recompute them) until the head of the queue fits.
-        while not self.running and self.waiting and self._evict_prefix():
+        while not self._running and self.waiting and self._evict_prefix():
             self._admit(plan)
-        if not self.running and self.waiting:
+        if not self._running and self.waiting:
             head = self.waiting[0]
             need = -(-(head.total + 1) // self.page_size)
             raise KVCacheTooSmall(
@@ -120,7 +99,61 @@ class Scheduler:
             )
         return plan.build()
 
-    def _admit(self, plan: _PlanBuilder) -> None:
+    def _schedule_running(self, plan: PlanBuilder) -> bool:
+        """The running sequences' tokens, in admission order, while the budget lasts: over
+        their slots' arrays, Python only for those that need a page. False when pages ran
+        short and some were preempted (then sequentially, as `_schedule_in_turn`)."""
+        run = self.running_slots()  # [R]
+        if not len(run):
+            return True
+        st = self.state
+        computed = st.computed[run]  # [R]
+        rest = st.total[run] - computed  # [R] known ids not run yet
+        left = plan.budget - (np.cumsum(rest) - rest)  # [R] budget left when a row's turn comes
+        taken = (rest > 0) & (left > 0)  # (rest 0: a length limit's last token in flight)
+        n = np.minimum(rest, left)[taken]  # [B]
+        slots = run[taken]  # [B]
+        need = -(-(computed[taken] + n) // self.page_size) - st.num_pages[slots]  # [B]
+        short = np.flatnonzero(need > 0)
+        k = need[short]  # [N] pages each of those needs
+        if int(k.sum()) > self.pool.num_free:
+            return self._schedule_in_turn(plan)
+        if len(short):  # one allocation: the ids the same calls in turn would give
+            got = np.asarray(self.pool.allocate(int(k.sum())), dtype=np.int32)
+            to = np.repeat(slots[short], k)
+            at = st.num_pages[to] + np.arange(len(got)) - np.repeat(np.cumsum(k) - k, k)
+            st.widen("table", int(at.max()) + 1)
+            st.table[to, at] = got
+            st.num_pages[slots[short]] += k
+        plan.take_many(slots, n)
+        return True
+
+    def _schedule_in_turn(self, plan: PlanBuilder) -> bool:
+        """The running sequences one by one, preempting the latest admitted while pages are
+        short. Returns False (some were preempted)."""
+        ps, pool = self.page_size, self.pool
+        running = self.running
+        i = 0
+        while i < len(running) and plan.budget > 0:
+            seq = running[i]
+            computed = seq.computed
+            n = min(seq.total - computed, plan.budget)
+            if n <= 0:  # overlap: its last token (a length limit) is in flight, not yet read
+                i += 1
+                continue
+            need = -(-(computed + n) // ps) - seq.num_pages
+            if need > 0:
+                while need > pool.num_free and running[-1] is not seq:
+                    self._preempt(running.pop())
+                if need > pool.num_free:
+                    self._preempt(seq)
+                    break
+                seq.add_pages(pool.allocate(need))
+            plan.take(seq, n)
+            i += 1
+        return False
+
+    def _admit(self, plan: PlanBuilder) -> None:
         """Admit waiting sequences in order while the budget, max_num_seqs and the pages allow;
         the first that does not fit stops admission (a 1% watermark of the pool stays free for
         the running sequences' decode pages). Skips those whose prefix is still computing."""
@@ -128,7 +161,7 @@ class Scheduler:
         scanned = 0
         idx = 0
         while (idx < len(self.waiting) and scanned < _LOOKAHEAD and plan.budget > 0
-               and len(self.running) < self.max_num_seqs):
+               and len(self._running) < self.max_num_seqs):
             seq = self.waiting[idx]
             scanned += 1
             if seq.parent >= 0 and seq.parent not in self.prefixes:
@@ -140,11 +173,11 @@ class Scheduler:
             if not fits or need > self.pool.num_free - watermark:
                 self._reset(seq)
                 break
-            seq.pages += self.pool.allocate(need)
+            seq.add_pages(self.pool.allocate(need))
             del self.waiting[idx]
             if seq.parent >= 0:
                 self.prefixes.unpin(seq.parent)
-            self.running.append(seq)
+            self._run(seq)
             if copy is not None:
                 plan.copies.append(copy)
             if n == 0:
@@ -160,7 +193,7 @@ class Scheduler:
         got = self.prefixes.attach(seq.parent)
         if got is None:
             return False, None
-        seq.pages = got.pages
+        seq.set_pages(got.pages)
         seq.num_borrowed_pages = got.num_shared
         seq.computed = got.end
         if seq.kind is Kind.ROW:
@@ -170,7 +203,7 @@ class Scheduler:
     def _release(self, seq: Request) -> None:
         """Give back every page `seq` holds (borrowed ones drop a reference)."""
         self.pool.release(seq.pages)
-        seq.pages = []
+        seq.set_pages([])
         seq.num_borrowed_pages = 0
 
     def _reset(self, seq: Request) -> None:
@@ -191,7 +224,7 @@ class Scheduler:
 
     def _preempt(self, seq: Request) -> None:
         """Free a running sequence's pages and put it first in line, to be recomputed."""
-        self.running.remove(seq)
+        self._stop_running(seq)
         self._reset(seq)
         if not self.prefixes.repin(seq.parent):
             seq.parent = -1  # the prefix is gone: compute everything itself
@@ -199,30 +232,42 @@ class Scheduler:
         self.preemptions += 1
 
     def step_done(self, plan: StepPlan) -> None:
-        """Advance the counters after the forward pass; completed prefixes go to the store."""
-        for seq, n in zip(plan.seqs, plan.num_tokens):
-            seq.computed += n
-            if seq.kind is Kind.PREFIX and seq.computed == seq.total:
-                self.running.remove(seq)
-                self.prefixes.add(seq.key, seq.pages, seq.total, self.node_users.get(seq.key, 0))
+        """Advance the counters after the forward pass; completed prefixes go to the store and
+        give their slots back."""
+        st = self.state
+        if st is None or not len(plan.slots):
+            return
+        st.computed[plan.slots] += plan.counts  # a step runs a sequence once: no repeats
+        ends = plan.slots[~st.is_row[plan.slots]]
+        ends = ends[st.computed[ends] == st.total[ends]]
+        if len(ends):
+            plan.keep_seqs()  # before the prefixes give their slots back
+        for slot in ends.tolist():
+            seq = self._running[slot]
+            self._stop_running(seq)
+            self.prefixes.add(seq.key, seq.pages, seq.total, self.node_users.get(seq.key, 0))
+            st.give_back(slot)
 
     def finish(self, seq: Request) -> None:
         """A row is done: its pages go back to the pool at once."""
         self.finish_many([seq])
 
     def finish_many(self, seqs: list[Request]) -> None:
-        """Rows done in one step: their pages go back in that order, and `running` is rebuilt
-        once (not one O(running) removal per row). With overlap a row may be found done after
-        it was preempted (its last token read one step late): it leaves `waiting` then."""
+        """Rows done in one step: their pages go back in that order and they leave `running`.
+        With overlap a row may be found done after it was preempted (its last token read one
+        step late): it leaves `waiting` then, and drops the pin it held on its prefix."""
         if not seqs:
             return
+        late = []
         for seq in seqs:
             self._release(seq)
-        done = {id(s) for s in seqs}
-        before = len(self.running)
-        self.running = [s for s in self.running if id(s) not in done]
-        if before - len(self.running) < len(seqs):
-            self.waiting = deque(s for s in self.waiting if id(s) not in done)
+            if self._running.pop(seq.slot, None) is None:
+                late.append(id(seq))
+                if seq.parent >= 0:  # the pin its preemption took (it will not attach again)
+                    self.prefixes.unpin(seq.parent)
+        self._slots = None
+        if late:
+            self.waiting = deque(s for s in self.waiting if id(s) not in late)
 
     def check(self) -> None:
         """Assert that the pool's reference counts are exactly what the stored prefixes and the
@@ -230,10 +275,12 @@ class Scheduler:
         self.pool.check()
         self.prefixes.check()
         refs = Counter(self.prefixes.held())
-        for seq in self.running:
+        for seq in self._running.values():
             refs.update(seq.pages)
+            row = self.state.table[seq.slot, : self.state.num_pages[seq.slot]].tolist()
+            assert row == seq.pages, f"{seq.kind} {seq.key}: slot table {row}, pages {seq.pages}"
         for p, r in enumerate(self.pool.refs):
             assert refs[p] == r, f"page {p}: pool counts {r}, holders {refs[p]}"
         for seq in self.waiting:
             assert not seq.pages and seq.computed == 0, f"waiting {seq.kind} {seq.key} holds KV"
-        assert len(self.running) <= self.max_num_seqs, "more running than max_num_seqs"
+        assert len(self._running) <= self.max_num_seqs, "more running than max_num_seqs"

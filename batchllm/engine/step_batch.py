@@ -1,19 +1,21 @@
 """One step's inputs on the host, in step order: what both runners turn into tensors.
 
+Built over the slots' arrays (row_slots.py): positions, cache slots, context lengths and a
+decode's id are fancy indexing with the step's slots, whatever the batch size; Python runs only
+for the ids of sequences that run more than one token (a prompt's chunk: work in proportion to
+its tokens) or one prompt token.
+
 Cascade groups: sequences of the step that borrow the same leading pages of a shared prefix are
 placed next to each other, first, and the prefix part of their attention runs once per group.
-A one-token sequence (a decode) takes a plain-Python path: a decode step of 256 sequences is
-built in a fraction of a millisecond, not in 256 rounds of numpy calls.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
 from dataclasses import dataclass
 
 import numpy as np
 
-from batchllm.engine.request import Request
+from batchllm.engine.row_slots import RowSlots
 
 
 @dataclass(frozen=True)
@@ -27,16 +29,17 @@ class Group:
 
 @dataclass
 class StepBatch:
-    seqs: list[Request]  # in step order: cascade groups first, members adjacent
-    counts: list[int]  # query rows of each
+    seq_slots: np.ndarray  # [B] int64, the sequences' slots in step order: groups first
+    counts: np.ndarray  # [B] int64, query rows of each
     ids: np.ndarray  # [T] int64
     positions: np.ndarray  # [T] int64
     slots: np.ndarray  # [T] int64, cache slot of each new token
     cu_q: np.ndarray  # [B+1] int32
     context_lens: np.ndarray  # [B] int32, tokens in the cache after the step
     kv_start: np.ndarray  # [B] int32, first position of the own part (after a group's prefix)
-    sample_rows: list[int]  # rows whose logits are sampled
-    sampled: list[Request]  # their sequences
+    num_pages: np.ndarray  # [B] int64, pages each holds
+    sample_rows: np.ndarray  # [S] int64, rows whose logits are sampled
+    sampled: np.ndarray  # [S] int64, their slots
     groups: list[Group]
     prefill_tokens: int  # prompt tokens fed through the forward pass
 
@@ -51,7 +54,7 @@ class StepBatch:
 
     @property
     def decode_only(self) -> bool:
-        return len(self.ids) == len(self.seqs)
+        return len(self.ids) == len(self.seq_slots)
 
     @property
     def cascade_rows(self) -> int:
@@ -60,80 +63,86 @@ class StepBatch:
 
     @property
     def max_pages(self) -> int:
-        return max(len(s.pages) for s in self.seqs)
+        return int(self.num_pages.max())
 
 
-def cascade_order(seqs: list[Request]) -> tuple[list[int], list[tuple[list[int], int]]]:
-    """Order the step's sequences so that cascade groups come first, members adjacent.
+def cascade_order(slots: np.ndarray, state: RowSlots
+                  ) -> tuple[np.ndarray | None, list[tuple[int, int]]]:
+    """Order the step's sequences (slots [B]) so that cascade groups come first, members
+    adjacent, in order of their first member; the rest after, in step order.
 
     A group is >= 2 sequences that borrow the same pages, i.e. sit under the same shared prefix
     (the deepest one: the questions of one document, not every row under the system prompt).
-    Returns the order (indices into seqs) and the groups as (member indices, shared pages).
-    """
-    by_prefix: dict[tuple[int, ...], list[int]] = defaultdict(list)
-    for i, seq in enumerate(seqs):
-        if seq.num_borrowed_pages:
-            by_prefix[tuple(seq.pages[: seq.num_borrowed_pages])].append(i)
-    groups = [(members, len(key)) for key, members in by_prefix.items() if len(members) > 1]
-    grouped = {i for members, _ in groups for i in members}
-    order = [i for members, _ in groups for i in members]
-    order += [i for i in range(len(seqs)) if i not in grouped]
-    return order, groups
+    Two sequences borrow the same pages when they borrow as many and the last is the same page:
+    a page is only ever shared by borrowing, so its holders borrowed one prefix's leading pages.
+    Returns the order (indices into slots; None: no group) and the groups as (members,
+    shared pages)."""
+    nb = state.borrowed[slots]  # [B]
+    have = np.flatnonzero(nb)
+    if len(have) < 2:
+        return None, []
+    key = nb[have] * (1 << 32) + state.table[slots[have], nb[have] - 1]
+    _, first, inverse, count = np.unique(key, return_index=True, return_inverse=True,
+                                         return_counts=True)
+    grouped = count[inverse] > 1
+    if not grouped.any():
+        return None, []
+    members = have[grouped]
+    by_group = np.lexsort((members, first[inverse[grouped]]))  # first member, then step order
+    members = members[by_group]
+    starts = first[inverse[grouped]][by_group]
+    cut = np.flatnonzero(np.diff(starts)) + 1
+    sizes = np.diff(np.concatenate([[0], cut, [len(members)]]))
+    rest = np.ones(len(slots), dtype=bool)
+    rest[members] = False
+    order = np.concatenate([members, np.flatnonzero(rest)])
+    shared = nb[members[np.concatenate([[0], cut])]].tolist()
+    return order, list(zip(sizes.tolist(), shared))
 
 
-def build_batch(seqs: list[Request], counts: list[int], wants_logits: list[bool],
-                page_size: int, cascade: bool) -> StepBatch:
-    """The step's flat inputs: `counts[i]` tokens of `seqs[i]` from its computed position on.
-    Per row only what a list comprehension does (its computed count, its token, its slot);
-    the rest over arrays."""
+def build_batch(slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
+                state: RowSlots, page_size: int, cascade: bool) -> StepBatch:
+    """The step's flat inputs: `counts[i]` tokens [B] of the sequence in slots[i] [B] from its
+    computed position on; wants_logits [B] bool: its last position's logits are read."""
     ps = page_size
-    order, found = cascade_order(seqs) if cascade else (None, [])
+    order, found = cascade_order(slots, state) if cascade else (None, [])
     if order is not None:
-        seqs, counts, wants_logits = ([x[i] for i in order]
-                                      for x in (seqs, counts, wants_logits))
-    b = len(seqs)
-    lo_list = [s.computed for s in seqs]
-    lo = np.array(lo_list, dtype=np.int64)  # [B]
-    n = np.array(counts, dtype=np.int64)  # [B]
-    hi = lo + n
+        slots, counts, wants_logits = slots[order], counts[order], wants_logits[order]
+    b = len(slots)
+    lo = state.computed[slots]  # [B]
+    hi = lo + counts
     cu_q = np.zeros(b + 1, dtype=np.int32)
-    np.cumsum(n, out=cu_q[1:])
-    if b and int(n.max()) == 1:  # a decode step (or chunks' last tokens): one token a row
-        ids = np.array([s.token_ids[c] for s, c in zip(seqs, lo_list)], dtype=np.int64)
+    np.cumsum(counts, out=cu_q[1:])
+    num_prompt = state.num_prompt[slots]  # [B]
+    t = int(cu_q[-1])
+    if b and t == b:  # one token a row: positions are the computed counts
         positions = lo
-        slots = np.array([s.pages[c // ps] for s, c in zip(seqs, lo_list)], dtype=np.int64)
-        slots = slots * ps + lo % ps
+        row_of = slots
     else:
-        ids_l: list = []
-        pos_l: list = []
-        slots_l: list = []
-        for seq, c, k in zip(seqs, lo_list, counts):
-            if k == 1:
-                ids_l.append(seq.token_ids[c])
-                pos_l.append(c)
-                slots_l.append(seq.pages[c // ps] * ps + c % ps)
-            else:
-                pp = np.arange(c, c + k)
-                ids_l.extend(seq.token_ids[c:c + k])
-                pos_l.extend(pp.tolist())
-                slots_l.extend((np.asarray(seq.pages, dtype=np.int64)[pp // ps] * ps
-                                + pp % ps).tolist())
-        ids = np.asarray(ids_l, dtype=np.int64)
-        positions = np.asarray(pos_l, dtype=np.int64)
-        slots = np.asarray(slots_l, dtype=np.int64)
+        starts = np.repeat(cu_q[:-1].astype(np.int64) - lo, counts)  # [T]
+        positions = np.arange(t, dtype=np.int64) - starts
+        row_of = np.repeat(slots, counts)  # [T]
+    cache = state.table[row_of, positions // ps].astype(np.int64) * ps + positions % ps
+    gen = positions - np.repeat(num_prompt, counts) if t != b else lo - num_prompt
+    ids = state.out[row_of, np.maximum(gen, 0)]  # [T]: generated ids; prompt ids below
+    in_prompt = np.flatnonzero(gen < 0)
+    if len(in_prompt):
+        owner = state.owner
+        seq_of = np.searchsorted(cu_q, in_prompt, side="right") - 1
+        for i in np.unique(seq_of).tolist():  # the prompt tokens of each, one slice
+            lo_i, n_i = int(lo[i]), int(min(hi[i], num_prompt[i]) - lo[i])
+            start = int(cu_q[i])
+            ids[start : start + n_i] = owner[int(slots[i])].prompt[lo_i : lo_i + n_i]
     kv_start = np.zeros(b, dtype=np.int32)
     groups, at = [], 0
-    for members, shared in found:  # members come first, in this order
-        groups.append(Group(at, at + len(members), shared))
-        kv_start[at:at + len(members)] = shared * ps
-        at += len(members)
-    num_prompt = np.array([s.num_prompt_tokens for s in seqs], dtype=np.int64)
+    for size, shared in found:  # members come first, in this order
+        groups.append(Group(at, at + size, shared))
+        kv_start[at : at + size] = shared * ps
+        at += size
     prefill = int(np.maximum(0, np.minimum(hi, num_prompt) - lo).sum())
-    want = np.array(wants_logits, dtype=bool)
-    sampled = [s for s, w in zip(seqs, wants_logits) if w]
     return StepBatch(
-        seqs=seqs, counts=counts, ids=ids, positions=positions, slots=slots, cu_q=cu_q,
+        seq_slots=slots, counts=counts, ids=ids, positions=positions, slots=cache, cu_q=cu_q,
         context_lens=hi.astype(np.int32), kv_start=kv_start,
-        sample_rows=(cu_q[1:][want] - 1).astype(np.int64).tolist() if b else [],
-        sampled=sampled, groups=groups, prefill_tokens=prefill,
+        num_pages=state.num_pages[slots], sample_rows=(cu_q[1:][wants_logits] - 1).astype(
+            np.int64), sampled=slots[wants_logits], groups=groups, prefill_tokens=prefill,
     )

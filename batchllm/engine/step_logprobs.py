@@ -1,20 +1,16 @@
-"""Log-probabilities as the sampling kernels leave them: one StepLogprobs per step (over the
-step's scored rows), each row holding (step record, its index in it) per generated token.
-A row's TokenLogprob records are made once, when it finishes (`records`), not per token per
-step. The step's small tensors are not kept until its last row finishes: interleaved with each
-step's large temporaries they fragmented glibc's heap (~400 MiB kept after a 64-row job, issue
-27). On CUDA their copies to pinned host memory start with the step (`StepLogprobs.start`,
-before the sampled ids' copy and its event); the step is turned into lists (`to_host`) when
-its ids are read (StepTokens.resolve), after that event: no wait of its own.
+"""Log-probabilities as the sampling kernels leave them: one StepLogprobs per step, over the
+step's scored rows. On CUDA their copies to pinned host memory start with the step
+(`StepLogprobs.start`, before the sampled ids' copy and its event); when the step's ids are read
+(StepTokens.resolve, after that event: no wait of its own) the step becomes host arrays
+(`to_host`) and its records go to the LogprobLog (logprob_log.py). The step's small tensors are
+not kept longer: interleaved with each step's large temporaries they fragmented glibc's heap
+(~400 MiB kept after a 64-row job, issue 27).
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-from batchllm.rows.record import TokenLogprob
-
-_NINF = float("-inf")
 
 
 def _to_pinned(t: torch.Tensor) -> torch.Tensor:
@@ -26,7 +22,7 @@ def _to_pinned(t: torch.Tensor) -> torch.Tensor:
 class StepLogprobs:
     """One step's log-probabilities of its scored rows (row i of each tensor: the i-th)."""
 
-    __slots__ = ("_lists", "_tensors")
+    __slots__ = ("_arrays", "_tensors")
 
     def __init__(self, tokens: torch.Tensor | list[int],  # [R] the chosen tokens
                  chosen: torch.Tensor,  # [R] fp32: the chosen token's logprob
@@ -34,7 +30,7 @@ class StepLogprobs:
                  top_id: torch.Tensor,  # [R, kmax] int64
                  ) -> None:
         self._tensors: tuple | None = (tokens, chosen, top_lp, top_id)
-        self._lists: tuple[list, list, list, list, bool] | None = None
+        self._arrays: tuple | None = None
 
     def start(self) -> StepLogprobs:
         """On CUDA, the tensors' non-blocking copies to pinned host memory started (to be read
@@ -46,29 +42,15 @@ class StepLogprobs:
         return self
 
     def to_host(self) -> None:
-        """The tensors turned into lists and let go (on CUDA: once their copies are done)."""
+        """The tensors turned into host arrays and let go (on CUDA: once their copies are
+        done)."""
         if self._tensors is None:
             return
-        tokens, chosen, top_lp, top_id = self._tensors
+        self._arrays = tuple(t.numpy(force=True) if isinstance(t, torch.Tensor)
+                             else np.asarray(t, dtype=np.int64) for t in self._tensors)
         self._tensors = None
-        masked = bool(torch.isinf(top_lp).any())  # else no alternative is dropped
-        self._lists = (tokens.tolist() if isinstance(tokens, torch.Tensor) else tokens,
-                       chosen.tolist(), top_id.tolist(), top_lp.tolist(), masked)
 
-    def record(self, i: int, k: int) -> TokenLogprob:
-        """Row i's record with its top k; alternatives the mask forbids (-inf) left out."""
-        if self._lists is None:
-            self.to_host()
-        tokens, chosen, top_id, top_lp, masked = self._lists
-        if masked:
-            top = [(t, v) for t, v in zip(top_id[i][:k], top_lp[i][:k]) if v != _NINF]
-        else:
-            top = list(zip(top_id[i][:k], top_lp[i][:k]))
-        return TokenLogprob(tokens[i], chosen[i], top)
-
-
-def records(entries: list[tuple[StepLogprobs, int]] | None, k: int) -> list[TokenLogprob] | None:
-    """A finished row's log-probabilities, one record per generated token."""
-    if entries is None:
-        return None
-    return [step.record(i, k) for step, i in entries]
+    def arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(tokens [R], chosen [R], top_lp [R, kmax], top_id [R, kmax]) on the host."""
+        self.to_host()
+        return self._arrays

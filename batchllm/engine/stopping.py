@@ -22,11 +22,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from batchllm.engine.request import Request
+from batchllm.engine.row_slots import RowSlots
 
 _MAX_WAIT = 16  # tokens decoded again while the text ends inside a character, at most
 _BATCH_DECODE_FROM = 32  # sequences; fewer are decoded one by one
 _MAX_SKIP = 8  # tokens that cannot end a stop string left undecoded in a row, at most
+_MAX_SETS = 256  # distinct sets of stop strings' last characters skip_many knows; more: decoded
 
 
 @dataclass(eq=False)
@@ -56,6 +60,9 @@ class StopChecker:
         self.eos_ids = eos_ids
         self.max_model_len = max_model_len
         self._texts: dict[int, str | None] = {}  # token -> its text alone; None: it splits one
+        self._sets: dict[str, int] = {}  # stop strings' last characters -> their row in _can
+        self._can = np.full((0, 0), -1, dtype=np.int8)  # [set, token]: 1 may end one, 0 not,
+        # -1 not known yet
         self.scanned_chars = 0
         self.decoded_tokens = 0
 
@@ -77,6 +84,42 @@ class StopChecker:
         end-of-sequence could follow), which wins over max_tokens reached by the same token."""
         return self.check_many([seq])[0]
 
+    def skip_many(self, state: RowSlots, slots: np.ndarray, tokens: np.ndarray) -> np.ndarray:
+        """check_many's skip over arrays, for rows (slots [C]) whose new tokens [C] are neither
+        an end of sequence nor their last: [C] bool, True where the token cannot end one of the
+        row's stop strings and its scan may leave it undecoded (as check_many would); those
+        need no check_many this step."""
+        ok = state.stop_skips[slots] > 0  # [C]
+        at = np.flatnonzero(ok)
+        if not len(at):
+            return ok
+        self._widen(len(self._sets), int(tokens[at].max()) + 1)
+        ok[at] = self._can[state.stop_ends[slots[at]], tokens[at]] == 0
+        hit = slots[ok]
+        state.stop_skips[hit] -= 1
+        state.fast_skipped[hit] += 1
+        return ok
+
+    def _widen(self, sets: int, tokens: int) -> None:
+        """_can made at least [sets, tokens] (doubling)."""
+        have = self._can.shape
+        if sets <= have[0] and tokens <= have[1]:
+            return
+        grown = np.full((max(sets, 2 * have[0]), max(tokens, 2 * have[1])), -1, dtype=np.int8)
+        grown[: have[0], : have[1]] = self._can
+        self._can = grown
+
+    def _arm(self, seq: Request, scan: _Scan, n: int) -> None:
+        """After a check of a row with stop strings (n: its output's length): how many tokens
+        skip_many may leave undecoded next (0 unless its scan is caught up)."""
+        st, s = seq.state, seq.slot
+        number = self._sets.get(scan.ends, -1) if scan.ends else -1
+        if scan.ends and number < 0 and len(self._sets) < _MAX_SETS:
+            number = self._sets[scan.ends] = len(self._sets)
+        caught_up = number >= 0 and scan.read + scan.skipped == n
+        st.stop_skips[s] = _MAX_SKIP - scan.skipped if caught_up else 0
+        st.stop_ends[s] = number
+
     def check_many(self, seqs: list[Request]) -> list[bool]:
         """check() of each sequence, the decodes of those with stop strings in one batch (one
         call into the tokenizer a step, not two per row)."""
@@ -84,18 +127,24 @@ class StopChecker:
         scanning = []  # (index, sequence, its scan, its output's length)
         for i, seq in enumerate(seqs):
             sp = seq.sampling
-            eos = not sp.ignore_eos and seq.token_ids[-1] in self.eos_ids
+            token = seq.last_token
+            eos = not sp.ignore_eos and token in self.eos_ids
             if eos or (seq.matcher is not None and seq.matcher.is_stopped()):
                 seq.finish_reason = "stop"
                 done[i] = True
             elif sp.stop:
-                n = len(seq.token_ids) - seq.num_prompt_tokens  # no copy of the output
+                n = seq.num_generated
                 scan = self._scan(seq, n)
+                fast = seq.state.fast_skipped
+                if fast[seq.slot]:  # tokens skip_many left undecoded
+                    scan.skipped += int(fast[seq.slot])
+                    fast[seq.slot] = 0
                 if (scan.ends and scan.read + scan.skipped == n - 1 and scan.skipped < _MAX_SKIP
-                        and not self._can_end(seq.token_ids[-1], scan.ends)):
+                        and not self._can_end(token, scan.ends)):
                     scan.skipped += 1
                     self.scanned_chars = self.decoded_tokens = 0
                     done[i] = self._length(seq)
+                    self._arm(seq, scan, n)
                 else:
                     scanning.append((i, seq, scan, n))
             else:
@@ -103,11 +152,11 @@ class StopChecker:
         if not scanning:
             return done
         batch = []
-        for _, seq, scan, _ in scanning:
-            ids, at = seq.token_ids, seq.num_prompt_tokens + scan.prefix
+        for _, seq, scan, n in scanning:
+            ids = seq.output(scan.prefix, n)
             if scan.read > scan.prefix:
-                batch.append(ids[at : at + scan.read - scan.prefix])
-            batch.append(ids[at:])
+                batch.append(ids[: scan.read - scan.prefix])
+            batch.append(ids)
         texts = iter(self.decode_many(batch))
         for i, seq, scan, n in scanning:
             before = next(texts) if scan.read > scan.prefix else ""
@@ -118,6 +167,7 @@ class StopChecker:
                 done[i] = True
             else:
                 done[i] = self._length(seq)
+                self._arm(seq, scan, n)
         return done
 
     def _length(self, seq: Request) -> bool:
@@ -128,8 +178,18 @@ class StopChecker:
         return False
 
     def final_text(self, seq: Request) -> str:
-        seq.scan = None
-        return seq.text if seq.text is not None else self.decode(seq.output_ids)
+        return self.final_texts([seq])[0]
+
+    def final_texts(self, seqs: list[Request]) -> list[str]:
+        """Each finished row's text: up to its stop string, else its output decoded (those in
+        one batch)."""
+        plain = [s for s in seqs if s.text is None]
+        texts = iter(self.decode_many([s.output_ids for s in plain]))
+        out = []
+        for seq in seqs:
+            seq.scan = None
+            out.append(seq.text if seq.text is not None else next(texts))
+        return out
 
     def _scan(self, seq: Request, n: int) -> _Scan:
         """The row's scan; n: its output's length."""
@@ -146,7 +206,12 @@ class StopChecker:
         if text == "":  # not seen yet
             text = self.decode([token])
             text = self._texts[token] = None if not text or "\ufffd" in text else text
-        return text is None or any(map(text.__contains__, ends))
+        can = text is None or any(map(text.__contains__, ends))
+        number = self._sets.get(ends)
+        if number is not None:  # for skip_many
+            self._widen(number + 1, token + 1)
+            self._can[number, token] = can
+        return can
 
     def _stop_text(self, seq: Request, scan: _Scan, n: int, before: str,
                    text: str) -> str | None:

@@ -29,6 +29,43 @@ class TokenLogprob(NamedTuple):
     top: list[tuple[int, float]]  # [(token_id, logprob)] * k
 
 
+class TokenLogprobs:
+    """A row's log-probabilities as the engine keeps them: arrays, one entry per generated
+    token, read as a sequence of TokenLogprob (made on access) and written to Arrow from the
+    arrays (rows/writer.py `logprobs_column`). Alternatives at -inf (forbidden by a grammar's
+    mask) are no alternatives: left out of `top`."""
+
+    __slots__ = ("logprob", "token_id", "top_id", "top_lp")
+
+    def __init__(self, token_id: np.ndarray, logprob: np.ndarray, top_id: np.ndarray,
+                 top_lp: np.ndarray) -> None:
+        self.token_id = token_id  # [G] int
+        self.logprob = logprob  # [G] float32
+        self.top_id = top_id  # [G, k] int, best first
+        self.top_lp = top_lp  # [G, k] float32
+
+    def __len__(self) -> int:
+        return len(self.token_id)
+
+    def __getitem__(self, i: int) -> TokenLogprob:
+        if not -len(self) <= i < len(self):
+            raise IndexError(i)
+        keep = self.top_lp[i] != -np.inf
+        top = list(zip(self.top_id[i][keep].tolist(), self.top_lp[i][keep].tolist()))
+        return TokenLogprob(int(self.token_id[i]), float(self.logprob[i]), top)
+
+    def __iter__(self):
+        return (self[i] for i in range(len(self)))
+
+    def __eq__(self, other: object) -> bool:
+        if isinstance(other, (TokenLogprobs, list, tuple)):
+            return len(self) == len(other) and all(a == b for a, b in zip(self, other))
+        return NotImplemented
+
+    def __repr__(self) -> str:
+        return f"TokenLogprobs({list(self)!r})"
+
+
 def num_samples(sampling: SamplingParams) -> int:
     """A row's records: sampling.n when it is valid, else 1 (the row is then an error row: one
     record)."""
@@ -60,7 +97,8 @@ class Row:
     completion: str | None = None
     finish_reason: str | None = None
     cached_tokens: int = 0  # prompt tokens taken from a shared prefix instead of computed
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when sampling.logprobs > 0
+    logprobs: TokenLogprobs | list[TokenLogprob] | None = None  # one per token id, when
+    # sampling.logprobs > 0
 
     def __post_init__(self) -> None:
         if self.error is not None:
@@ -120,7 +158,7 @@ class Row:
         self.prompt = None
 
     def finish(self, token_ids: list[int], text: str, reason: str, cached_tokens: int,
-               logprobs: list[TokenLogprob] | None = None) -> None:
+               logprobs: TokenLogprobs | list[TokenLogprob] | None = None) -> None:
         """The engine's result: the generated ids, their text, stop or length, and the tokens'
         log-probabilities when asked for."""
         self.token_ids = token_ids

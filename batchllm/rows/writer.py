@@ -35,6 +35,7 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError
 from batchllm.rows import storage
 from batchllm.rows.fingerprint import canonical, differences, identity, loads, numerics_changed
+from batchllm.rows.logprob_column import logprobs_column
 from batchllm.rows.merge import GROUP_BYTES, KEYS, FinalWriter, Part, merge_parts, write_parquet
 from batchllm.rows.record import Row
 from batchllm.rows.redact import redact
@@ -75,12 +76,15 @@ class Finalized(NamedTuple):
 
 def part_row(row: Row) -> dict[str, Any]:
     """A finished row as one line of a part: the values of _PART_FIELDS, and its id."""
-    return {
-        "row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
-        "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
-        "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
-        "token_ids": row.token_ids, "id": row.id, **sample_values(row),
-    }
+    return {**_line(row), **sample_values(row)}
+
+
+def _line(row: Row) -> dict[str, Any]:  # part_row, log-probabilities as held (arrays)
+    return {"row": row.index, "completion": row.completion, "finish_reason": row.finish_reason,
+            "prompt_tokens": row.prompt_tokens, "completion_tokens": len(row.token_ids),
+            "cached_tokens": row.cached_tokens, "error": row.error, "prompt": row.prompt,
+            "token_ids": row.token_ids, "id": row.id, "sample": row.sample,
+            "samples": row.num_samples, "logprobs": row.logprobs}
 
 
 OUTPUT_COLUMNS = ("id", "completion", "finish_reason", "prompt_tokens", "completion_tokens",
@@ -136,7 +140,7 @@ class CheckpointWriter:
         self._fingerprint_json = canonical(fingerprint)
         self.flush_rows = flush_rows
         self.flush_seconds = flush_seconds
-        self._rows: list[dict] = []  # part_row of each finished row not yet in a part
+        self._rows: list[dict] = []  # _line of each finished row not yet in a part
         self._last_flush = time.monotonic()
         self._next_part: int | None = None
         self.rows_flushed = 0  # rows this writer has written to parts
@@ -146,7 +150,7 @@ class CheckpointWriter:
     # -- while running ---------------------------------------------------------------------
     def add(self, row: Row) -> None:
         """Buffer one finished row (it is copied: later changes to it are not written)."""
-        self._rows.append(part_row(row))
+        self._rows.append(_line(row))
         self.maybe_flush()
 
     def maybe_flush(self) -> None:
@@ -168,7 +172,8 @@ class CheckpointWriter:
         if self._next_part is None:
             self._next_part = 1 + max((int(n[5:10]) for n in self._part_names()), default=-1)
         index, self._next_part = self._next_part, self._next_part + 1
-        columns = {f.name: pa.array([r.get(f.name) for r in rows], f.type) for f in _PART_FIELDS}
+        columns = {f.name: logprobs_column([r[f.name] for r in rows]) if f.name == "logprobs"
+                   else pa.array([r.get(f.name) for r in rows], f.type) for f in _PART_FIELDS}
         columns["id"] = pa.array([r["id"] for r in rows])
         table = pa.table(columns).replace_schema_metadata(
             {FINGERPRINT_KEY: self._fingerprint_json.encode()})
@@ -278,13 +283,11 @@ def _mismatch(where: str, theirs: dict, ours: dict) -> str:
 
 
 def _finite(x: Any) -> Any:
-    if isinstance(x, float) and not math.isfinite(x):
-        return None
     if isinstance(x, dict):
         return {k: _finite(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
         return [_finite(v) for v in x]
-    return x
+    return None if isinstance(x, float) and not math.isfinite(x) else x
 
 
 def write_metrics(output_path: str | os.PathLike, metrics: dict[str, Any]) -> str:
