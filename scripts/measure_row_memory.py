@@ -172,18 +172,39 @@ def child(job: str, retained: bool) -> None:
                       **held}))
 
 
-def measure(job: Path, checkpoint_rows: int = 256, retained: bool = False) -> dict:
+def measure(job: Path, checkpoint_rows: int = 256, retained: bool = False,
+            sample_every: float = 0.0) -> dict:
     """Runs the job in a fresh child (a part every `checkpoint_rows` rows); its rows, wall
     seconds, peak resident set (peak_kib) and each phase's (phases_kib). retained: also the
     resident set the moment the engine returns, after the freed memory is given back
     (retained_kib: the table of rows, the plan, the writer and whatever else the driver
-    keeps; the peaks that follow are then not the job's own)."""
+    keeps; the peaks that follow are then not the job's own). sample_every: the child's
+    VmRSS every that many seconds, appended to rss.csv beside the job (seconds, MiB)."""
     env = {**os.environ, "BATCHLLM_CHECKPOINT_ROWS": str(checkpoint_rows),
            "PYTHONHASHSEED": "0"}  # sets' and dicts' orders, hence allocations, run to run
-    out = subprocess.run([sys.executable, __file__, "child", str(job), str(int(retained))],
-                         check=True,
-                         capture_output=True, text=True, env=env)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    cmd = [sys.executable, __file__, "child", str(job), str(int(retained))]
+    with subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                          env=env) as proc:
+        if sample_every > 0:
+            _sample_rss(proc, job.parent / "rss.csv", sample_every)
+        out, err = proc.communicate()
+    if proc.returncode:
+        raise RuntimeError(f"the measuring child failed ({proc.returncode}):\n{err[-4000:]}")
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def _sample_rss(proc: subprocess.Popen, path: Path, every: float) -> None:
+    """Until proc ends: its VmRSS every `every` seconds, a line "seconds,MiB" each."""
+    start = time.monotonic()
+    with path.open("a") as f:
+        while proc.poll() is None:
+            try:
+                rss = _status_kib("VmRSS", proc.pid)
+            except (OSError, RuntimeError):  # ending
+                break
+            f.write(f"{time.monotonic() - start:.0f},{rss / 1024:.1f}\n")
+            f.flush()
+            time.sleep(every)
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
@@ -202,6 +223,8 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--logprobs", type=int, default=5)
     ap.add_argument("--out", default="/tmp/batchllm-row-memory")
+    ap.add_argument("--sample-every", type=float, default=0.0,
+                    help="seconds between VmRSS samples of each child, in OUT/ROWS/rss.csv")
     args = ap.parse_args()
     sizes = [int(s) for s in args.rows.split(",")]
     medians = []
@@ -209,7 +232,7 @@ def main() -> None:
         job = write_job(Path(args.out) / str(n), n, args.max_tokens, args.logprobs)
         runs = []
         for _ in range(args.repeat):
-            r = measure(job)
+            r = measure(job, sample_every=args.sample_every)
             runs.append(r)
             print(json.dumps({"rows": r["rows"], "wall_s": r["wall_s"],
                               "peak_mib": round(r["peak_kib"] / 1024, 1),
