@@ -76,3 +76,26 @@ def test_merge_groups_sized_by_the_lines_arrow_size(tmp_path):
     per_line = merge._line_bytes([part], table.schema)
     assert nbytes / lines < table.nbytes / lines / 4  # Parquet's figure: dictionary-encoded
     assert per_line >= table.nbytes / lines  # the lines as read back: at least their size
+
+
+def test_what_a_check_raises_is_that_rows_error(monkeypatch):
+    """The admission guard (issue 27 item 1): a check that raises on one row (what the named
+    checks miss) makes that row an error row with the exception's type and message; the other
+    rows are admitted, in both admission entries."""
+    from batchllm.rows import admission
+
+    real = admission.problem_of
+
+    def raising(error, sampling, prompt_tokens, *args):
+        if prompt_tokens == 5:
+            raise OverflowError("int too large to convert to float")
+        return real(error, sampling, prompt_tokens, *args)
+
+    monkeypatch.setattr(admission, "problem_of", raising)
+    sp = SamplingParams(max_tokens=60)  # past the room of rows 2 and 3: they are checked
+    rows = [Row(i, i, np.arange(1, 4 + i, dtype=np.int32), sp) for i in range(4)]
+    kept, failed = admit_table(RowTable.of(rows), max_model_len=64)
+    assert kept.index.tolist() == [0, 1, 3] and [r.index for r in failed] == [2]
+    assert failed[0].error == "OverflowError: int too large to convert to float"
+    assert [r.index for r in admission.admit(rows, max_model_len=64)] == [0, 1, 3]
+    assert rows[2].error == "OverflowError: int too large to convert to float"
