@@ -15,7 +15,7 @@ from batchllm.rows import merge
 from batchllm.rows.admission import admit_table
 from batchllm.rows.build import _narrow
 from batchllm.rows.record import Row
-from batchllm.rows.table import RowTable
+from batchllm.rows.table import RowTable, row_starts
 from batchllm.sampling_params import SamplingParams
 
 _TREE = ("order", "lcp", "node_parent", "node_end", "node_first", "node_last", "row_node")
@@ -50,6 +50,13 @@ def test_ids_narrowed_only_where_they_fit():
     assert _narrow(np.array([1, 65_536], np.int32)).dtype == np.int32
     assert _narrow(np.zeros(0, np.int32)).dtype == np.uint16
     assert _narrow(np.array([3, 65_535], np.int32)).tolist() == [3, 65_535]
+
+
+def test_row_starts_are_int32_until_the_ids_pass_int32():
+    small = row_starts(np.array([3, -1, 4, 2], np.int32))  # -1: a row without ids
+    assert small.dtype == np.int32 and small.tolist() == [0, 3, 3, 7]
+    big = row_starts(np.array([2**31 - 1, 5, 3], np.int32))
+    assert big.dtype == np.int64 and big.tolist() == [0, 2**31 - 1, 2**31 + 4]
 
 
 def test_admission_keeps_an_all_good_table_itself():
