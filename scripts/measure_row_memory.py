@@ -33,6 +33,7 @@ import argparse
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -167,7 +168,9 @@ def child(job: str, retained: bool) -> None:
     start = time.perf_counter()
     metrics = run_job(job, progress=False)
     peaks.enter("end")
+    usage = resource.getrusage(resource.RUSAGE_SELF)  # the warm-up's included
     print(json.dumps({"rows": metrics["rows"], "wall_s": round(time.perf_counter() - start, 1),
+                      "cpu_s": round(usage.ru_utime + usage.ru_stime, 1),
                       "peak_kib": max(peaks.peaks.values()), "phases_kib": peaks.peaks,
                       **held}))
 
@@ -234,7 +237,7 @@ def main() -> None:
         for _ in range(args.repeat):
             r = measure(job, sample_every=args.sample_every)
             runs.append(r)
-            print(json.dumps({"rows": r["rows"], "wall_s": r["wall_s"],
+            print(json.dumps({"rows": r["rows"], "wall_s": r["wall_s"], "cpu_s": r["cpu_s"],
                               "peak_mib": round(r["peak_kib"] / 1024, 1),
                               "phases_mib": {k: round(v / 1024, 1)
                                              for k, v in r["phases_kib"].items()}}), flush=True)

@@ -69,7 +69,7 @@ def write_parquet(groups: Iterator[pa.Table], schema: pa.Schema, f: IO[bytes]) -
 def _index(parts: list[Part]) -> tuple[np.ndarray, pa.Table]:
     """(the output position of each part line in the parts' order, -1 for a repeated line;
     the kept lines' KEYS in output order). One stable sort of one key a line (row and sample
-    in one int64), its arrays let go as they are used: ~40 bytes a line at its peak, not the
+    in one int64), its arrays let go as they are used: ~55 bytes a line at its peak, not the
     ~100 of a three-key lexsort over int64 copies of the key columns."""
     def column(name: str) -> np.ndarray:
         return np.concatenate([p.keys[name].to_numpy() for p in parts] or [np.zeros(0, int)])
