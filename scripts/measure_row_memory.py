@@ -4,27 +4,37 @@ through the sizes' medians (the difference cancels the model, torch and everythi
 holds whatever its size).
 
     python scripts/measure_row_memory.py [--rows 4000,12000,24000] [--repeat 3]
-                                         [--max-tokens 16] [--logprobs 5] [--out DIR]
+        [--max-tokens 16] [--logprobs 5] [--out DIR] [--sample-every SECONDS]
 
 Each child first runs a warm-up job of the same shape (WARM_ROWS rows: torch imported, the model
 loaded once, the allocator's arenas made), lets the warm-up's objects go (frozen by
 batchllm.collector: unfrozen and collected, for the job to reuse) and then runs the measured job
 with each phase's peak taken apart: at a phase's start the peak so far is booked to the phase
-that ends and the peak is reset (/proc/self/clear_refs 5: VmHWM starts again from the current
-resident set). The phases: `start` (lock, input read, the model loaded again), `tokenize`
-(rows/build.py), `plan` (admission, the prefix tree, the plan), `run` (Engine.generate),
-`after_run`, `write` (the final file's merge). The job's peak is the largest.
+that ends and the peak is reset (/proc/self/clear_refs 5: VmHWM, which getrusage's ru_maxrss
+follows, starts again from the current resident set). The phases: `start` (lock, input read,
+the model loaded again), `tokenize` (rows/build.py), `plan` (admission, the prefix tree, the
+plan), `run` (Engine.generate), `after_run`, `write` (the final file's merge). The job's peak
+is the largest. Parts are cut every 256 rows by count, never by the clock, and the children's
+hash seed is fixed, so that only the process itself varies.
 
-One peak's noise is tens of MiB from one run to the next (the allocator's arenas, Arrow's pool,
-the collector's timing), which over 20,000 extra rows is ~1-2 KiB a row: hence `--repeat`
-children per size, their median, and a fit through three sizes rather than the difference of
-two peaks (also printed: bytes_per_extra_row_ends, the issue's first-to-last definition).
+Where the noise is (2026-12-07, this 2-core machine): the run phase. The same 4,000-row job
+peaked there at 679, 711 and 738 MiB in three children, the same 200-row job at 520 and 620,
+while tokenize and plan repeat within 1 MiB. Not the hash seed, address randomization, Arrow's
+pool or the clock's part flushes (each ruled out); it is the step loop's freed temporaries (a
+step's logits for 64 rows are 12.6 MB) left as fragments in glibc's heap, which
+engine/cpu_allocator.py keeps (mmap threshold 32 MiB, no trim below 1 GiB): with the threshold
+at 4 MiB the same 1,000-row job peaked at 539-550 MiB over four children, not 648-711. Hence
+`--repeat` children per size, their median, and a fit through three sizes rather than the
+difference of two peaks (also printed: bytes_per_extra_row_ends, the issue's first-to-last
+definition); and the CI test (tests/test_row_memory.py) bounds what the driver holds after the
+run with the freed memory given back (`retained`), which repeats within 1 MiB.
 
 The job (issue 27): short templated prompts on a tiny random Llama (tests/hf_reference.py) on the
 CPU, sampled, each row `--max-tokens` tokens with `--logprobs` alternatives, max_num_seqs 64.
-Prints one JSON line per child (rows, wall_s, peak_mib, phases' peaks in MiB), one per size
-(the medians), then the fit: bytes per extra row of the job's peak and of each phase's.
-`child JOB` is the measuring child itself.
+Prints one JSON line per child (rows, wall_s, cpu_s, peak_mib, phases' peaks in MiB), one per
+size (the medians), then the fit: bytes per extra row of the job's peak and of each phase's.
+--sample-every: each child's VmRSS every that many seconds in OUT/ROWS/rss.csv (a long run's
+record: the 1M-row job). `child JOB [1]` is the measuring child itself (1: retained mode).
 """
 
 from __future__ import annotations
