@@ -23,7 +23,8 @@ while tokenize and plan repeat within 1 MiB. Not the hash seed, address randomiz
 pool or the clock's part flushes (each ruled out); it is the step loop's freed temporaries (a
 step's logits for 64 rows are 12.6 MB) left as fragments in glibc's heap, which
 engine/cpu_allocator.py keeps (mmap threshold 32 MiB, no trim below 1 GiB): with the threshold
-at 4 MiB the same 1,000-row job peaked at 539-550 MiB over four children, not 648-711. Hence
+at 4 MiB the same 1,000-row job peaked at 538-550 MiB over five children, not 648-711, but
+took 42-44 s of CPU against 19 (each step's large blocks mapped and faulted in afresh). Hence
 `--repeat` children per size, their median, and a fit through three sizes rather than the
 difference of two peaks (also printed: bytes_per_extra_row_ends, the issue's first-to-last
 definition); and the CI test (tests/test_row_memory.py) bounds what the driver holds after the
