@@ -8,9 +8,10 @@ Two figures per child:
 - retained: the resident set the moment the engine returns, once freed memory is given back
   (gc, malloc_trim, Arrow's release_unused): the table of rows, the plan, the writer and
   whatever else the driver keeps. Steady between children (the same size twice: within 1 MiB).
-  Measured (2 contended cores): 2.7 KB per extra row from 200 to 1,200 rows (the tokenizer's word
-  cache filling: bounded); a driver that keeps its finished rows' results holds ~13.4 KB of
-  Python objects per row (tracemalloc) and fails the bound.
+  Measured (2 contended cores): 2.2-3.2 KB per extra row from 200 to 1,200 rows over three
+  pairs (4.2 KB on 7f61430, one pair; what holds it is not identified); a driver that keeps its
+  finished rows' results holds ~13.4 KB of Python objects per row (tracemalloc) and fails the
+  bound (17.4 KB measured).
 - peak: the job's largest phase peak. The step loop's freed temporaries (logits of 64 rows are
   12.6 MB a step) stay in glibc's heap as fragments, and how far the heap grows moves from one
   child to the next: the same 200-row job peaked at 520 and 620 MiB in its run phase. The peak's
@@ -32,7 +33,7 @@ from measure_row_memory import measure, write_job
 pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
 
 SMALL, LARGE = 200, 1200
-RETAINED_BOUND = 8 * 1024  # bytes per extra row: measured 2.7 KB (module docstring)
+RETAINED_BOUND = 8 * 1024  # bytes per extra row: measured 2.2-3.2 KB (module docstring)
 PEAK_BOUND = 256 * 1024  # bytes per extra row: above the run phase's 100 MiB spread / 1,000 rows
 
 
