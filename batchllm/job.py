@@ -7,7 +7,6 @@ resume (JobFailed).
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import os
@@ -16,9 +15,6 @@ import signal
 import sys
 import threading
 import time
-from collections.abc import Iterator
-
-import pyarrow as pa
 
 from batchllm import collector
 from batchllm.config import ConfigError, JobConfig, load_job
@@ -99,30 +95,13 @@ def run_job(job: str | os.PathLike | JobConfig, overrides: list[str] | tuple[str
     if cfg.output.prometheus:
         prom = PrometheusFile(cfg.output.prometheus, cfg.name, start_timestamp_seconds=time.time())
     try:
-        with arrow_on_the_heap():
-            return _run_locked(cfg, progress, progress_every, prom, resume, phases)
+        return _run_locked(cfg, progress, progress_every, prom, resume, phases)
     except BaseException as e:
         if prom is not None:
             prom.update(exit_status=exit_code(e))
         raise
     finally:
         lock.release()
-
-
-@contextlib.contextmanager
-def arrow_on_the_heap() -> Iterator[None]:
-    """Arrow's allocations on the C library's heap while a job runs (then the pool as it was).
-    pyarrow's default pool (mimalloc) is a heap of its own: what the input's read and the final
-    merge free there, numpy and torch cannot reuse, so the job's peak held both. Measured
-    (scripts/measure_row_memory.py's job, this machine): the resident set the input's read
-    adds, 786 -> 315 B a row; read, tokenization and plan together at 24,000 rows, +39 -> +18
-    MiB; the final merge's increment over the run's level at 1,000 rows, ~20 -> ~3 MiB."""
-    before = pa.default_memory_pool()
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
-        yield
-    finally:
-        pa.set_memory_pool(before)
 
 
 def _run_locked(cfg: JobConfig, progress: bool, every: float, prom: PrometheusFile | None,
