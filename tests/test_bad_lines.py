@@ -41,6 +41,7 @@ def _batch_lines() -> list[bytes]:
         _line("tiny-temperature", temperature=1e-50),
         _line("nan").replace(b'"body": {', b'"body": {"temperature": NaN, '),
         _line("ok-completion", COMPLETIONS, prompt="The tenant shall"),
+        _line("inf", temperature=float("inf")),  # json.dumps writes Infinity
     ]
 
 
@@ -54,6 +55,7 @@ BATCH_ERRORS = {
     "many-stops": "line 9: body.stop: expected at most 16 stop strings of at most 256 characters",
     "big-max-tokens": "line 11: body.max_tokens: expected an integer in 1..2147483647, got",
     "nan": "line 13: body.temperature: expected a number in 0..2, got NaN",
+    "inf": "line 15: body.temperature: expected a number in 0..2, got Infinity",
 }
 
 
@@ -63,7 +65,7 @@ def test_bad_openai_batch_lines_are_error_rows(tmp_path) -> None:
     job = job_file(tmp_path, "batch", {"path": str(path), "format": "openai-batch"})
     metrics = run_job(job, progress=False)
     out = output_rows(job)
-    assert metrics["rows_error"] == len(BATCH_ERRORS) and metrics["rows"] == 13
+    assert metrics["rows_error"] == len(BATCH_ERRORS) and metrics["rows"] == 14
     for key, row in out.items():
         if key in BATCH_ERRORS:
             assert row["error"].startswith(BATCH_ERRORS[key]), (key, row["error"])
@@ -83,7 +85,7 @@ def test_batch_files_read_in_blocks_give_the_same_rows(tmp_path, monkeypatch,
     whole = parse_batch([("f", data.splitlines())], SAMPLING_FIELDS)
     monkeypatch.setattr(json_lines, "READ_BYTES", read_bytes)
     got = parse_batch([("f", json_lines.lines(str(path)))], SAMPLING_FIELDS)
-    assert got == whole and len(got.ids) == 13
+    assert got == whole and len(got.ids) == 14
 
 
 def test_bad_jsonl_and_csv_rows_are_error_rows(tmp_path) -> None:

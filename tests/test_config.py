@@ -85,6 +85,8 @@ ERRORS = [
      "engine.max_num_seqs: expected a positive integer, got True"),
     (_with("sampling", max_tokens=0), "sampling.max_tokens: expected a positive integer, got 0"),
     (_with("sampling", temperature=-0.1), "sampling.temperature: expected a number >= 0, got -0.1"),
+    (_with("sampling", temperature=float("inf")),
+     "sampling.temperature: expected a number >= 0, got inf"),  # a finite number, as per row
     (_with("sampling", top_p=0), "sampling.top_p: expected a number in (0, 1], got 0"),
     (_with("sampling", top_p=1.5), "sampling.top_p: expected a number in (0, 1], got 1.5"),
     (_with("sampling", top_k=-1), "sampling.top_k: expected an integer >= 0, got -1"),

@@ -15,7 +15,7 @@ from batchllm.rows import merge
 from batchllm.rows.admission import admit_table
 from batchllm.rows.build import _narrow
 from batchllm.rows.record import Row
-from batchllm.rows.table import RowTable
+from batchllm.rows.table import RowTable, row_starts
 from batchllm.sampling_params import SamplingParams
 
 _TREE = ("order", "lcp", "node_parent", "node_end", "node_first", "node_last", "row_node")
@@ -52,6 +52,13 @@ def test_ids_narrowed_only_where_they_fit():
     assert _narrow(np.array([3, 65_535], np.int32)).tolist() == [3, 65_535]
 
 
+def test_row_starts_are_int32_until_the_ids_pass_int32():
+    small = row_starts(np.array([3, -1, 4, 2], np.int32))  # -1: a row without ids
+    assert small.dtype == np.int32 and small.tolist() == [0, 3, 3, 7]
+    big = row_starts(np.array([2**31 - 1, 5, 3], np.int32))
+    assert big.dtype == np.int64 and big.tolist() == [0, 2**31 - 1, 2**31 + 4]
+
+
 def test_admission_keeps_an_all_good_table_itself():
     sp = SamplingParams(max_tokens=4)
     table = RowTable.of([Row(i, i, np.arange(1, 4 + i, dtype=np.int32), sp) for i in range(5)])
@@ -76,3 +83,26 @@ def test_merge_groups_sized_by_the_lines_arrow_size(tmp_path):
     per_line = merge._line_bytes([part], table.schema)
     assert nbytes / lines < table.nbytes / lines / 4  # Parquet's figure: dictionary-encoded
     assert per_line >= table.nbytes / lines  # the lines as read back: at least their size
+
+
+def test_what_a_check_raises_is_that_rows_error(monkeypatch):
+    """The admission guard (issue 27 item 1): a check that raises on one row (what the named
+    checks miss) makes that row an error row with the exception's type and message; the other
+    rows are admitted, in both admission entries."""
+    from batchllm.rows import admission
+
+    real = admission.problem_of
+
+    def raising(error, sampling, prompt_tokens, *args):
+        if prompt_tokens == 5:
+            raise OverflowError("int too large to convert to float")
+        return real(error, sampling, prompt_tokens, *args)
+
+    monkeypatch.setattr(admission, "problem_of", raising)
+    sp = SamplingParams(max_tokens=60)  # past the room of rows 2 and 3: they are checked
+    rows = [Row(i, i, np.arange(1, 4 + i, dtype=np.int32), sp) for i in range(4)]
+    kept, failed = admit_table(RowTable.of(rows), max_model_len=64)
+    assert kept.index.tolist() == [0, 1, 3] and [r.index for r in failed] == [2]
+    assert failed[0].error == "OverflowError: int too large to convert to float"
+    assert [r.index for r in admission.admit(rows, max_model_len=64)] == [0, 1, 3]
+    assert rows[2].error == "OverflowError: int too large to convert to float"

@@ -209,6 +209,9 @@ def test_resume_runs_only_rows_not_in_parts(tmp_path, single, local_ray):
     assert pq.read_table(cfg.output.path).equals(single)
     assert metrics["rows_resumed"] == len(done)
     assert sum(w["rows"] for w in metrics["per_worker"]) == ROWS - len(done)
+    # the file's rows, and this process's work under run_* (issue 27 item 6), as run locally
+    assert metrics["rows"] == ROWS and metrics["run_rows"] == ROWS - len(done)
+    assert metrics["run_completion_tokens"] == metrics["completion_tokens"] > 0
     for w in metrics["per_worker"]:
         assert w["prefill_tokens"] == w["predicted_prefill_tokens"], w
 

@@ -6,6 +6,12 @@ from __future__ import annotations
 import numpy as np
 
 
+def index_dtype(top: int) -> type:
+    """The integer type of index arrays whose values are at most `top`: int32 where they fit
+    (half the planner's transient arrays: ~310 B a row at int64), else int64."""
+    return np.int32 if top <= np.iinfo(np.int32).max else np.int64
+
+
 class RangeMin:
     """Sparse table over a 1-D integer array: range minimum and nearest smaller element."""
 
@@ -31,7 +37,7 @@ class RangeMin:
 
     def prev_smaller(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """For each query, the largest j < k with values[j] < v, or -1."""
-        cur = np.asarray(k, np.int64).copy()  # invariant: values[cur:k] >= v
+        cur = np.array(k)  # invariant: values[cur:k] >= v (k's integer type)
         for t in range(len(self.levels) - 1, -1, -1):
             step = 1 << t
             ok = cur >= step
@@ -41,10 +47,10 @@ class RangeMin:
 
     def next_smaller(self, k: np.ndarray, v: np.ndarray) -> np.ndarray:
         """For each query, the smallest j > k with values[j] < v, or len(values)."""
-        cur = np.asarray(k, np.int64) + 1  # invariant: values[k + 1:cur] >= v
+        cur = np.asarray(k) + 1  # invariant: values[k + 1:cur] >= v (k's integer type)
         for t in range(len(self.levels) - 1, -1, -1):
             step = 1 << t
-            ok = cur + step <= self.size
+            ok = cur <= self.size - step
             jump = ok & (self.levels[t][np.where(ok, cur, 0)] >= v)
             cur += jump * step
         return cur
@@ -98,7 +104,7 @@ def window_agreement(tokens: np.ndarray, at: np.ndarray, head_at: np.ndarray,
     difference (width when all do). Compared _CHUNK_ELEMS tokens at a time: the windows of a
     whole round (2 x M x width ids and M x width flags, ~580 bytes a row at width 64) would
     be the plan's largest temporary, growing with the job's rows."""
-    agree = np.empty(len(at), np.int64)
+    agree = np.empty(len(at), np.int32)  # <= width
     step = max(1, _CHUNK_ELEMS // width)
     for lo in range(0, len(at), step):
         hi = lo + step

@@ -30,8 +30,8 @@ PREFIX, ROW = 0, 1  # item_kind values
 _ARRAYS = {  # Plan array fields and their dtypes
     "row_len": np.int32, "row_max_tokens": np.int32, "row_parent": np.int32,
     "node_parent": np.int32, "node_start": np.int32, "node_end": np.int32,
-    "node_source_row": np.int64, "node_users": np.int32, "node_terminal": np.int32,
-    "node_rows": np.int32, "item_kind": np.int8, "item_id": np.int64,
+    "node_source_row": np.int32, "node_users": np.int32, "node_terminal": np.int32,
+    "node_rows": np.int32, "item_kind": np.int8, "item_id": np.int32,
 }
 
 
@@ -48,12 +48,12 @@ class Plan:
     node_parent: np.ndarray  # [G] int32, -1 if none; parent id < child id
     node_start: np.ndarray  # [G] int32 = parent's end (0 if none)
     node_end: np.ndarray  # [G] int32 the node holds prompt positions [start, end)
-    node_source_row: np.ndarray  # [G] int64 a row whose prompt[:end] is the node's prefix
+    node_source_row: np.ndarray  # [G] int32 a row whose prompt[:end] is the node's prefix
     node_users: np.ndarray  # [G] int32 direct dependents: child nodes + rows with this parent
     node_terminal: np.ndarray  # [G] int32 rows with this parent and len(prompt) == end
     node_rows: np.ndarray  # [G] int32 rows under the node (direct or not)
     item_kind: np.ndarray  # [I] int8 PREFIX (0) or ROW (1)
-    item_id: np.ndarray  # [I] int64 prefix node id or row id
+    item_id: np.ndarray  # [I] int32 prefix node id or row id
 
     @property
     def num_rows(self) -> int:
@@ -216,6 +216,8 @@ def make_plan(
     if np.any(mt < 0):
         raise ValueError("max_tokens must be >= 0")
     mt = np.broadcast_to(mt, (n,))
+    if 2 * n >= np.iinfo(np.int32).max:  # rows and prefix nodes are int32 ids (Plan)
+        raise ValueError(f"a plan holds fewer than 2**30 rows, got {n}")
     is_prefix = (tree.node_rows >= 2) & (tree.node_end > 0)  # [N] over tree nodes
     pid = np.cumsum(is_prefix) - 1  # tree node -> prefix node id (where is_prefix)
     tn = np.flatnonzero(is_prefix)  # [G] tree node of each prefix node
@@ -244,12 +246,12 @@ def make_plan(
         row_len=lens.astype(np.int32), row_max_tokens=mt.astype(np.int32),
         row_parent=row_parent.astype(np.int32), node_parent=node_parent[keep].astype(np.int32),
         node_start=tree.node_start[tn][keep].astype(np.int32), node_end=end[keep].astype(np.int32),
-        node_source_row=tree.node_source[tn][keep].astype(np.int64),
+        node_source_row=tree.node_source[tn][keep].astype(np.int32),
         node_users=(np.bincount(node_parent[keep][node_parent[keep] >= 0], minlength=g)
                     + np.bincount(row_parent[rhas], minlength=g)).astype(np.int32),
         node_terminal=np.bincount(row_parent[terminal], minlength=g).astype(np.int32),
         node_rows=tree.node_rows[tn][keep].astype(np.int32),
-        item_kind=kind, item_id=np.where(kind == ROW, items - g, items).astype(np.int64),
+        item_kind=kind, item_id=np.where(kind == ROW, items - g, items).astype(np.int32),
     )
 
 
@@ -258,39 +260,52 @@ def _dfs_items(tree: PrefixTree, is_prefix, node_parent, row_parent, mt) -> np.n
 
     Positions come without a walk: in a preorder of the plan tree (the token order) an item's
     subtree is a range of `size` items, so its DFS position is the sum, over its ancestors and
-    itself, of 1 + the sizes of the siblings that go before it (a difference array + cumsum)."""
-    tn = np.flatnonzero(is_prefix)
+    itself, of 1 + the sizes of the siblings that go before it (a difference array + cumsum).
+    Indices are int32 (make_plan bounds the rows) and each array goes once it is used: this is
+    the plan's largest transient (~310 B a row when every array was int64 and kept)."""
+    tn = np.flatnonzero(is_prefix).astype(np.int32)
     n, g = tree.num_rows, len(tn)
-    rank = np.empty(n, np.int64)
-    rank[tree.order] = np.arange(n)
-    inf = np.full(n, np.iinfo(np.int64).max)
-    pre = np.lexsort((np.concatenate((tree.node_end[tn], inf)),
+    it = np.int32
+    rank = np.empty(n, it)
+    rank[tree.order] = np.arange(n, dtype=it)
+    pre = np.lexsort((np.concatenate((tree.node_end[tn], np.full(n, np.iinfo(it).max, it))),
                       np.concatenate((tree.node_first[tn], rank))))
-    q = np.empty(g + n, np.int64)  # position of each item in that preorder
-    q[pre] = np.arange(g + n)
+    del rank
+    q = np.empty(g + n, it)  # position of each item in that preorder
+    q[pre] = np.arange(g + n, dtype=it)
+    del pre
     sub_end = tree.node_subtree_end[tn]
-    cs_pref = np.concatenate(([0], np.cumsum(is_prefix)))
+    cs_pref = np.concatenate(([0], np.cumsum(is_prefix, dtype=it)))
     cs_edge = np.concatenate(([0], np.cumsum(tree.node_end - tree.node_start)))
     cs_mt = np.concatenate(([0], np.cumsum(mt[tree.order])))
     first, last = tree.node_first[tn], tree.node_last[tn]
     own_start = np.append(tree.node_end[tn], 0)[row_parent]
-    size = np.concatenate((cs_pref[sub_end] - cs_pref[tn] + last - first, np.ones(n, np.int64)))
+    size = np.concatenate((cs_pref[sub_end] - cs_pref[tn] + last - first,
+                           np.ones(n, it))).astype(it)
     decode = np.concatenate((cs_mt[last] - cs_mt[first], mt)).astype(np.float64)
     prefill = np.concatenate((cs_edge[sub_end] - cs_edge[tn], tree.lengths - own_start))
+    del cs_pref, cs_edge, cs_mt, own_start
     ratio = np.divide(decode, prefill, out=np.full(g + n, np.inf), where=prefill > 0)
-    parent = np.concatenate((node_parent, row_parent))
+    del decode, prefill
+    parent = np.concatenate((node_parent, row_parent)).astype(it)
     sib = np.lexsort((q, -ratio, parent))  # siblings together, best ratio first
+    del ratio
     size_s, par_s = size[sib], parent[sib]
-    before = np.cumsum(size_s) - size_s
+    del parent
+    before = np.cumsum(size_s, dtype=np.int64) - size_s
     head = np.ones(len(par_s), bool)
     head[1:] = par_s[1:] != par_s[:-1]
     before -= before[np.flatnonzero(head)][np.cumsum(head) - 1]
-    w = np.empty(g + n, np.int64)
+    del head, size_s
+    w = np.empty(g + n, it)
     w[sib] = before + (par_s >= 0)
+    del sib, before, par_s
     diff = np.zeros(g + n + 1, np.int64)
     diff[q] += w
     np.add.at(diff, q + size, -w)
+    del w, size
     pos = np.cumsum(diff)[q]
-    items = np.empty(g + n, np.int64)
-    items[pos] = np.arange(g + n)
+    del diff, q
+    items = np.empty(g + n, it)
+    items[pos] = np.arange(g + n, dtype=it)
     return items

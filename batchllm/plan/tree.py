@@ -23,7 +23,13 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
-from batchllm.plan.arrays import RangeMin, concat_ranges, node_depths, window_agreement
+from batchllm.plan.arrays import (
+    RangeMin,
+    concat_ranges,
+    index_dtype,
+    node_depths,
+    window_agreement,
+)
 
 _WINDOW_ELEMS = 1 << 25  # a round with more members compares fewer tokens a member (>= 4)
 _MAX_WIDTH = 64  # longer windows waste more compares where a group splits
@@ -35,16 +41,18 @@ def _sort_with_lcp(
 ) -> tuple[np.ndarray, np.ndarray]:
     """Rows in lexicographic order (ties in input order) and lcp[k] = LCP(order[k], order[k+1])."""
     n = len(lengths)
-    order = np.arange(n, dtype=np.int64)
-    lcp = np.zeros(max(n - 1, 0), np.int64)
+    it = index_dtype(max(n, len(tokens)))  # rows, positions and depths: int32 where they fit
+    starts, lengths = starts.astype(it), lengths.astype(it)
+    order = np.arange(n, dtype=it)
+    lcp = np.zeros(max(n - 1, 0), it)
     # active groups: segments order[lo:hi] of >= 2 rows sharing their first `depth` tokens
     live = int(n > 1)
-    g_lo, g_hi, g_depth = np.zeros(live, np.int64), np.full(live, n), np.zeros(live, np.int64)
+    g_lo, g_hi, g_depth = np.zeros(live, it), np.full(live, n, it), np.zeros(live, it)
     while len(g_lo):
         sizes = g_hi - g_lo
-        head = np.cumsum(sizes) - sizes  # member index of each group's first member
-        gi = np.repeat(np.arange(len(sizes)), sizes)  # [M] group of each member
-        pos = np.arange(len(gi)) + (g_lo - head)[gi]  # [M] position in `order`
+        head = np.cumsum(sizes, dtype=it) - sizes  # member index of each group's first member
+        gi = np.repeat(np.arange(len(sizes), dtype=it), sizes)  # [M] group of each member
+        pos = np.arange(len(gi), dtype=it) + (g_lo - head)[gi]  # [M] position in `order`
         rows = order[pos]
         rem = lengths[rows] - g_depth[gi]  # tokens left past the group's depth
         width = int(max(1, min(rem.max(), _MAX_WIDTH, max(4, _WINDOW_ELEMS // len(gi)))))
@@ -73,7 +81,7 @@ def _sort_with_lcp(
             live = (sub >= 2) & (key[new] != _END)
             lo = sp[new][live]
             nxt.append((lo, lo + sub[live], cut_depth[new][live] + 1))
-        g_lo, g_hi, g_depth = (np.concatenate(a) for a in zip(*nxt))
+        g_lo, g_hi, g_depth = (np.concatenate(a).astype(it, copy=False) for a in zip(*nxt))
     return order, lcp
 
 
@@ -81,18 +89,23 @@ def _nodes_from_lcp(lcp: np.ndarray, lengths_sorted: np.ndarray):
     """Tree nodes from the LCP array: (parent, end, first, last) in preorder, and for each sorted
     row the node where its prompt ends."""
     n, nb = len(lengths_sorted), len(lcp)
-    k = np.arange(nb, dtype=np.int64)
-    table = RangeMin(lcp.astype(np.int32))  # prompt lengths fit in int32
+    it = index_dtype(2 * n + 2)  # rows, nodes (< 2n) and depths (prompt lengths are int32)
+    lcp, lengths_sorted = lcp.astype(it, copy=False), lengths_sorted.astype(it, copy=False)
+    k = np.arange(nb, dtype=it)
+    table = RangeMin(lcp.astype(np.int32, copy=False))  # prompt lengths fit in int32
     ps = table.prev_smaller(k, lcp)
     ns = table.next_smaller(k, lcp)
+    del k
     inner = np.flatnonzero(lcp > 0)
-    node_key = (ps[inner] + 1) * (int(lcp.max(initial=0)) + 1) + lcp[inner]  # (ps, value)
+    node_key = (ps[inner] + np.int64(1)) * (int(lcp.max(initial=0)) + 1) + lcp[inner]  # (ps, value)
     _, rep, inv = np.unique(node_key, return_index=True, return_inverse=True)
+    del node_key
     rep, n_in = inner[rep], len(rep)
     # indexed by boundary + 1, with sentinels past both ends: lcp -1, node 0 (the root)
-    lcp_ext = np.concatenate(([-1], lcp, [-1]))
-    node_ext = np.zeros(nb + 2, np.int64)
+    lcp_ext = np.pad(lcp, 1, constant_values=-1)
+    node_ext = np.zeros(nb + 2, it)
     node_ext[inner + 1] = 1 + inv.ravel()
+    del inner, inv
 
     def parent_via(left: np.ndarray, right: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """The node of the deeper of two boundaries (the root if neither is above depth 0)."""
@@ -100,21 +113,24 @@ def _nodes_from_lcp(lcp: np.ndarray, lengths_sorted: np.ndarray):
         return node_ext[np.where(lv >= rv, left, right) + 1], np.maximum(lv, rv)
 
     in_parent, _ = parent_via(ps[rep], ns[rep])
-    s = np.arange(n, dtype=np.int64)
+    s = np.arange(n, dtype=it)
     row_parent, mx = parent_via(s - 1, s)
+    del s
     mx = np.maximum(mx, 0)
     leaf = np.flatnonzero(lengths_sorted > mx)
     n_leaf = len(leaf)
     ends_at = row_parent.copy()
     ends_at[leaf] = 1 + n_in + np.arange(n_leaf)
-    parent = np.concatenate(([-1], in_parent, row_parent[leaf]))
-    end = np.concatenate(([0], lcp[rep], lengths_sorted[leaf]))
-    first = np.concatenate(([0], ps[rep] + 1, leaf))
-    last = np.concatenate(([n], ns[rep] + 1, leaf + 1))
+    one = np.ones(1, it)
+    parent = np.concatenate((-one, in_parent, row_parent[leaf]))
+    end = np.concatenate((0 * one, lcp[rep], lengths_sorted[leaf]))
+    first = np.concatenate((0 * one, ps[rep] + 1, leaf.astype(it)))
+    last = np.concatenate((n * one, ns[rep] + 1, leaf.astype(it) + 1))
+    del ps, ns, row_parent, mx, leaf
     pre = np.lexsort((end, first))  # DFS preorder
-    new_id = np.empty_like(pre)
-    new_id[pre] = np.arange(len(pre))
-    parent = np.where(parent[pre] >= 0, new_id[np.maximum(parent[pre], 0)], -1)
+    new_id = np.empty(len(pre), it)
+    new_id[pre] = np.arange(len(pre), dtype=it)
+    parent = np.where(parent[pre] >= 0, new_id[np.maximum(parent[pre], 0)], -1).astype(it)
     return parent, end[pre], first[pre], last[pre], new_id[ends_at]
 
 
@@ -124,16 +140,17 @@ class PrefixTree:
     def __init__(self, tokens: np.ndarray, offsets: np.ndarray) -> None:
         self.tokens = tokens  # [T] flat token ids of every row
         self.offsets = offsets  # [R + 1] int64: row r is tokens[offsets[r]:offsets[r + 1]]
-        self.lengths = np.diff(offsets)  # [R] int64
+        it = index_dtype(max(len(tokens), 2 * len(offsets)))  # int32 where every index fits
+        self.lengths = np.diff(offsets).astype(it)  # [R]
         self.order, self.lcp = _sort_with_lcp(tokens, offsets[:-1], self.lengths)  # [R], [R-1]
         parent, end, first, last, ends_sorted = _nodes_from_lcp(self.lcp, self.lengths[self.order])
-        self.node_parent = parent  # [N] int64, -1 for the root
-        self.node_end = end  # [N] int64: covers prompt positions [node_start, node_end)
+        self.node_parent = parent  # [N] int32 (int64 where needed), -1 for the root
+        self.node_end = end  # [N]: covers prompt positions [node_start, node_end)
         self.node_start = np.where(parent >= 0, end[np.maximum(parent, 0)], 0)
         self.node_first = first  # [N] rows order[first:last] pass through (or end at) the node
         self.node_last = last
-        self.node_subtree_end = np.searchsorted(first, last)  # [N] preorder subtree [v, this)
-        self.row_node = np.empty(len(self.lengths), np.int64)  # [R] node where the row ends
+        self.node_subtree_end = np.searchsorted(first, last).astype(it)  # [N] subtree [v, this)
+        self.row_node = np.empty(len(self.lengths), it)  # [R] node where the row ends
         self.row_node[self.order] = ends_sorted
         self.node_terminal = np.bincount(self.row_node, minlength=len(parent))  # rows ending here
         self.tree_tokens = int((end - self.node_start).sum())  # distinct prefixes of all rows

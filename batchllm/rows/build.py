@@ -16,7 +16,7 @@ from batchllm.config import InputConfig, SamplingConfig
 from batchllm.rows.prompts import conversation, render_chats, tokenize
 from batchllm.rows.reader import InputRows
 from batchllm.rows.record import Row
-from batchllm.rows.table import RowTable
+from batchllm.rows.table import RowTable, ints_for, row_starts
 from batchllm.sampling_params import CONSTRAINTS, SamplingParams
 
 _BATCH = 1024  # conversations rendered, or texts tokenized, per call
@@ -140,8 +140,8 @@ def build_table(tokenizer, cfg: InputConfig, sampling: SamplingConfig, rows: Inp
         tokens[at : at + len(block)] = block
         at += len(block)
     setting, settings = _settings(sampling, rows, errors)
-    starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
-    return RowTable(tokens, starts[:n], lengths, first_index + np.arange(n, dtype=np.int64),
+    index = np.arange(first_index, first_index + n, dtype=ints_for(first_index + n))
+    return RowTable(tokens, row_starts(lengths), lengths, index,
                     np.zeros(n, np.int32), setting, settings, rows.ids, errors, kept)
 
 

@@ -6,9 +6,9 @@ more of the heap that a Python process does not give back. A RowTable holds the 
 
   tokens    [T] uint16   every row's prompt token ids, one after another (int32 when an id
                          is 65,536 or more: rows/build.py)
-  starts    [N] int64    where row k's ids begin in `tokens`
+  starts    [N] int32    where row k's ids begin in `tokens` (int64 past 2**31 - 1 ids)
   lengths   [N] int32    how many there are; -1 when the row failed before tokenization
-  index     [N] int64    the row's index over all input files (Row.index)
+  index     [N] int32    the row's index over all input files (Row.index; int64 past 2**31 - 1)
   sample    [N] int32    which of its row's n samples this record is (Row.sample)
   setting   [N] int32    its settings: settings[setting[k]], one SamplingParams per distinct set
   ids                    the input id column (an Arrow array, or a list of values)
@@ -31,6 +31,21 @@ from batchllm.rows.record import Row, num_samples
 from batchllm.sampling_params import SamplingParams
 
 
+def ints_for(top: int) -> type:
+    """The integer type of an index array whose values are at most `top`: int32 where they fit
+    (4 bytes a row, not 8), else int64."""
+    return np.int32 if top <= np.iinfo(np.int32).max else np.int64
+
+
+def row_starts(lengths: np.ndarray) -> np.ndarray:
+    """[N] where each row's ids begin when the rows are packed one after another (lengths -1:
+    no ids), in the narrowest type that holds them."""
+    ends = np.cumsum(np.maximum(lengths, 0), dtype=np.int64)
+    starts = np.zeros(len(lengths), ints_for(int(ends[-1]) if len(ends) else 0))
+    starts[1:] = ends[:-1]
+    return starts
+
+
 @dataclass(eq=False)
 class RowTable:
     tokens: np.ndarray
@@ -49,7 +64,7 @@ class RowTable:
         """The table of a list of fresh Rows (none finished yet)."""
         ids = [r.prompt_ids for r in rows]
         lengths = np.asarray([-1 if t is None else len(t) for t in ids], np.int32)
-        starts = np.concatenate(([0], np.cumsum(np.maximum(lengths, 0))[:-1])).astype(np.int64)
+        starts = row_starts(lengths)
         tokens = np.concatenate([np.asarray(t, np.int32) for t in ids if t is not None]
                                 or [np.zeros(0, np.int32)])
         distinct: dict[int, int] = {}  # id(SamplingParams) -> its position in settings
@@ -58,8 +73,8 @@ class RowTable:
             if id(r.sampling) not in distinct:
                 distinct[id(r.sampling)] = len(settings)
                 settings.append(r.sampling)
-        return cls(tokens, starts[: len(rows)], lengths,
-                   np.asarray([r.index for r in rows], np.int64),
+        index = [r.index for r in rows]
+        return cls(tokens, starts, lengths, np.asarray(index, ints_for(max(index, default=0))),
                    np.asarray([r.sample for r in rows], np.int32),
                    np.asarray([distinct[id(r.sampling)] for r in rows], np.int32), settings,
                    [r.id for r in rows], {k: r.error for k, r in enumerate(rows) if r.error},
@@ -93,7 +108,7 @@ class RowTable:
         offsets = np.concatenate(([0], np.cumsum(n))).astype(np.int64)
         if np.array_equal(self.starts, offsets[:-1]) and len(self.tokens) == offsets[-1]:
             return self.tokens, offsets  # packed already
-        at = np.repeat(self.starts - offsets[:-1], n) + np.arange(offsets[-1])
+        at = np.repeat(self.starts.astype(np.int64) - offsets[:-1], n) + np.arange(offsets[-1])
         return self.tokens[at], offsets
 
     def max_tokens(self) -> np.ndarray:
@@ -103,7 +118,7 @@ class RowTable:
 
     def taken(self, keep: np.ndarray) -> RowTable:
         """The rows at positions `keep` ([K] int64, in that order); the tokens shared."""
-        keep = np.asarray(keep, np.int64)
+        keep = np.asarray(keep, np.intp)
         arrow = isinstance(self.ids, (pa.Array, pa.ChunkedArray))
         ids = self.ids.take(pa.array(keep)) if arrow else [self.ids[k] for k in keep.tolist()]
         return RowTable(self.tokens, self.starts[keep], self.lengths[keep], self.index[keep],
