@@ -66,3 +66,27 @@ def test_the_avx2_build_is_forced_and_named(monkeypatch, tmp_path):
     finally:
         cpu_linear.load.cache_clear()
         cpu_build._said.clear()
+
+
+def test_on_arm_the_torch_ops_are_picked_named_and_said(monkeypatch, capsys):
+    """The C kernels' vector code is AVX2 / AVX-512 only: on a CPU without AVX2 (an ARM one here,
+    by its /proc/cpuinfo and platform name) they are neither built nor picked, the path is
+    cpu-torch, and one note says why."""
+    import torch
+
+    from batchllm.model.ops import pick_ops
+    from batchllm_kernels.cpu import build as cpu_build
+    from batchllm_kernels.reference.paged_attention import paged_attention_ref
+    from batchllm_kernels.reference.pointwise import TORCH_OPS
+
+    arm = "processor\t: 0\nBogoMIPS\t: 50.00\nFeatures\t: fp asimd evtstrm aes crc32\n"
+    monkeypatch.setattr(cpu_build, "_cpu_id", lambda: arm)
+    monkeypatch.setattr(platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(cpu_build, "_said", set())
+    assert kernel_path("cpu", "float32") == "cpu-torch"
+    ops = pick_ops(torch.device("cpu"), torch.float32, 9, 64)
+    assert ops.paged_attention is paged_attention_ref and ops.pointwise is TORCH_OPS
+    assert ops.projection != "panels"
+    assert cpu_build.load_library("ops", "the CPU ops") is None
+    err = capsys.readouterr().err
+    assert err.count("need AVX2 or AVX-512, not found on this CPU (aarch64)") == 1, err

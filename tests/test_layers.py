@@ -8,6 +8,7 @@ dependency).
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,16 +24,16 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchllm.llm", "batchllm.progress"),  # the Python API; the progress line of a run
     ("batchllm.engine",),  # runtime, step loop, scheduler, pages, sampler
     ("batchllm.model",),  # weights and the forward pass
-    ("kernels",),  # Triton, C and torch kernels
+    ("batchllm_kernels",),  # Triton, C and torch kernels (the kernels/ folder)
     ("batchllm.plan",),  # prefix tree, planner, shards (numpy only)
     ("batchllm.rows",),  # rows in and out (pyarrow)
     ("batchllm.config", "batchllm.sampling_params"),  # the job file; sampling settings
-    ("kernels.atomic_write",),  # the one write-then-rename helper: imports nothing of ours
+    ("batchllm_kernels.atomic_write",),  # the one write-then-rename helper: imports nothing
 ]
 
 
 def layer_of(module: str) -> int | None:
-    """The layer of a batchllm or kernels module (the longest matching prefix), else None."""
+    """The layer of a module of ours (the longest matching prefix), else None."""
     best, depth = None, -1
     for i, names in enumerate(LAYERS):
         for name in names:
@@ -42,9 +43,13 @@ def layer_of(module: str) -> int | None:
 
 
 def module_name(path: Path) -> str:
+    """The import name of a file of ours: the kernels/ folder is the package batchllm_kernels
+    (pyproject.toml's package-dir)."""
     parts = list(path.relative_to(ROOT).with_suffix("").parts)
     if parts[-1] == "__init__":
         parts.pop()
+    if parts[0] == "kernels":
+        parts[0] = "batchllm_kernels"
     return ".".join(parts)
 
 
@@ -156,6 +161,18 @@ def test_plan_and_rows_import_without_torch_or_transformers():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT,
                          check=True)
     assert out.stdout.strip() == "[]"
+
+
+def test_nothing_names_the_kernels_folder_as_a_module():
+    """Our kernels import as batchllm_kernels; `kernels` is Hugging Face's package. (A branch
+    written before the rename: the rename commit's message holds the script that rewrites it.)"""
+    files = [p for d in ("batchllm", "kernels", "tests", "scripts")
+             for p in (ROOT / d).rglob("*.py")]
+    found = [f"{p.relative_to(ROOT)}: {base}" for p in files for base, _ in import_statements(p)
+             if base == "kernels" or base.startswith("kernels.")]
+    found += [f"{p.relative_to(ROOT)}: {m.group()}" for p in files
+              for m in re.finditer(r"[\"']kernels\.\w+", p.read_text())]
+    assert found == []
 
 
 def test_no_modules_import_each_other_in_a_circle():

@@ -7,6 +7,11 @@ Plain: Llama's layer (Llama, Mistral without a window, Qwen2, SmolLM2...) on the
 (float32, the panels, C attention for decodes, prefill chunks and shared prefixes). Anything
 else (q/k norms, sandwich norms, clipping, experts, sliding windows, soft-capping, GELU, a kernel
 that did not build) runs decoder.py's loop.
+
+One forward, written twice: decoder.py's loop is the source of truth (it runs every family);
+this path and layers.c are checked against it bit for bit, on every plain family and kind of
+step (tests/test_cpu_layers.py), and whatever runs by default against transformers
+(tests/test_families.py). A change to a plain layer is made in the loop first, then here.
 """
 
 from __future__ import annotations

@@ -111,10 +111,9 @@ def kernel_path(device: str, dtype: str) -> str:
         return "cuda-triton"
     if backend() == "triton":
         return "triton-interpreter"
-    isa = cpu_build.isa()
-    if (device == "cpu" and dtype == "float32" and isa in ("avx512", "avx2")
-            and cpu_build.enabled() and cpu_linear.load() is not None):
-        return f"cpu-c-{isa}"
+    if (device == "cpu" and dtype == "float32" and cpu_build.enabled()
+            and cpu_linear.load() is not None):
+        return f"cpu-c-{cpu_build.isa()}"
     return f"{device}-torch"
 
 

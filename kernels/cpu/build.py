@@ -14,9 +14,9 @@ swap it (not writable by others, or sticky like /tmp); a library is loaded only 
 regular file owned by this user and writable by no one else (a planted one is rebuilt over).
 With nowhere safe to build (no home, a read-only or shared cache), nothing is built or loaded
 and the torch twins run: a warning says so once. (The data caches beside it, such as the panel
-file, are never executed and may stay shareable.) Without a compiler, or with
-BATCHLLM_CPU_KERNEL=0 (`enabled()` false), `load_library` returns None (a warning says why, once
-per library) and the torch twins run.
+file, are never executed and may stay shareable.) Without a compiler, on a CPU without AVX2, or
+with BATCHLLM_CPU_KERNEL=0 (`enabled()` false), `load_library` returns None (a note says why,
+once) and the torch twins run.
 """
 
 from __future__ import annotations
@@ -155,9 +155,20 @@ def _build(name: str, compiler: str, folder: Path) -> Path:
 
 
 def enabled() -> bool:
-    """False when BATCHLLM_CPU_KERNEL=0: the C kernels are switched off, neither built nor
-    picked (batchllm/model/ops.py asks here), and the torch twins run."""
-    return os.environ.get("BATCHLLM_CPU_KERNEL", "1") != "0"
+    """Whether the C kernels are built and picked here (batchllm/model/ops.py asks): not when
+    BATCHLLM_CPU_KERNEL=0 (switched off), nor on a CPU without AVX2 (ARM, macOS, older x86:
+    their vector code is AVX2 / AVX-512 only, scalar elsewhere, and torch's BLAS is faster there;
+    a note says so once). Then the torch twins run. Without torch's OpenMP they are still
+    picked, on one thread: a 16 x 32-token SmolLM2 generate took 16.6-21.6 s so, 135-169 s on
+    torch's ops (BATCHLLM_CPU_KERNEL=0), 80-81 s with OpenMP (2 rounds, a 2-core AMD EPYC at
+    load 7.5-9.6, issue 31)."""
+    if os.environ.get("BATCHLLM_CPU_KERNEL", "1") == "0":
+        return False
+    if isa() not in ("avx512", "avx2"):
+        _once("isa", f"the C kernels need AVX2 or AVX-512, not found on this CPU ({isa()}); "
+              "torch's ops run")
+        return False
+    return True
 
 
 def load_library(name: str, what: str) -> ctypes.CDLL | None:
