@@ -36,7 +36,7 @@ def weights():
     """[(blocks weight, float32 panels, N, argmax?)] of one step, in the model's order."""
     from batchllm.model.gguf import alias_folder, source_file
     from batchllm.model.gguf_blocks import BlockWeight, read_blocks
-    from kernels.cpu import linear as cpu_linear
+    from batchllm_kernels.cpu import linear as cpu_linear
 
     path = source_file(alias_folder("smollm2-135m-instruct"))
     names = [f"model.layers.{i}.{p}.weight" for i in range(LAYERS) for ps in PARTS for p in ps]
@@ -52,8 +52,8 @@ def weights():
 
 
 def step(ws, xs, blocks: bool) -> float:
-    from kernels.cpu import blocks as cpu_blocks
-    from kernels.cpu import linear as cpu_linear
+    from batchllm_kernels.cpu import blocks as cpu_blocks
+    from batchllm_kernels.cpu import linear as cpu_linear
 
     t0 = time.perf_counter()
     for w, panels, n, argmax in ws:
@@ -82,7 +82,7 @@ def main() -> None:
         os.environ["BATCHLLM_CPU_ISA"] = "avx2"
     import torch
 
-    from kernels.cpu import build
+    from batchllm_kernels.cpu import build
 
     ws = weights()
     mb = (sum(w.blocks.nbytes for w, *_ in ws) / 1e6, sum(p.nbytes for _, p, *_ in ws) / 1e6)

@@ -58,9 +58,9 @@ import torch
 import torch.nn.functional as F
 import triton.testing
 
-from kernels.triton.merge_states import merge_states
-from kernels.triton.paged_attention import paged_attention
-from kernels.triton.prefix_attention import prefix_attention
+from batchllm_kernels.triton.merge_states import merge_states
+from batchllm_kernels.triton.paged_attention import paged_attention
+from batchllm_kernels.triton.prefix_attention import prefix_attention
 
 
 def make_step(r: int, prefix: int, own: int, page_size: int, hq: int, hkv: int, d: int,

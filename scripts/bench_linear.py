@@ -38,7 +38,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import torch
 
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import linear as cpu_linear
 
 LAYERS = 30
 HIDDEN, INTER, VOCAB = 576, 1536, 49152

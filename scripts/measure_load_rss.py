@@ -61,7 +61,8 @@ def held_tensors(root: object) -> dict[int, int]:
             stack.extend(obj)
         elif isinstance(obj, dict):
             stack.extend(obj.values())
-        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(("batchllm", "kernels")):
+        elif hasattr(obj, "__dict__") and type(obj).__module__.startswith(
+                ("batchllm", "batchllm_kernels")):
             stack.extend(vars(obj).values())
     return storages
 

@@ -21,17 +21,17 @@ import pkgutil
 
 import torch
 
-import kernels.triton
-from kernels.triton.fp8_matmul import plan_fp8_linear
-from kernels.triton.gated_mul import plan_gated_mul
-from kernels.triton.grouped_matmul import plan_grouped_matmul
-from kernels.triton.launch import Launch
-from kernels.triton.merge_states import plan_merge_states
-from kernels.triton.paged_attention import plan_paged_attention
-from kernels.triton.prefix_attention import plan_prefix_attention
-from kernels.triton.rms_norm import plan_add_rms_norm
-from kernels.triton.rotary import plan_rope_store
-from kernels.triton.store_kv import plan_store_kv
+import batchllm_kernels.triton
+from batchllm_kernels.triton.fp8_matmul import plan_fp8_linear
+from batchllm_kernels.triton.gated_mul import plan_gated_mul
+from batchllm_kernels.triton.grouped_matmul import plan_grouped_matmul
+from batchllm_kernels.triton.launch import Launch
+from batchllm_kernels.triton.merge_states import plan_merge_states
+from batchllm_kernels.triton.paged_attention import plan_paged_attention
+from batchllm_kernels.triton.prefix_attention import plan_prefix_attention
+from batchllm_kernels.triton.rms_norm import plan_add_rms_norm
+from batchllm_kernels.triton.rotary import plan_rope_store
+from batchllm_kernels.triton.store_kv import plan_store_kv
 
 STEPS = ("decode", "mixed", "prefill", "shared")
 # The variant's columns each attention launcher takes as keywords.
@@ -53,8 +53,8 @@ META = torch.device("meta")
 def kernel_names() -> list[str]:
     """Every kernel (a jitted `_*_kernel`) of kernels/triton/: what the check must reach."""
     names = []
-    for info in pkgutil.iter_modules(kernels.triton.__path__):
-        module = importlib.import_module(f"kernels.triton.{info.name}")
+    for info in pkgutil.iter_modules(batchllm_kernels.triton.__path__):
+        module = importlib.import_module(f"batchllm_kernels.triton.{info.name}")
         names += [n for n, v in vars(module).items()
                   if n.startswith("_") and n.endswith("_kernel") and hasattr(v, "fn")]
     return sorted(set(names))

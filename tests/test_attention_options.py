@@ -18,11 +18,11 @@ from test_reference_attention import (
     scatter_sequences,
 )
 
-from kernels.cpu import decode as cpu_decode
-from kernels.cpu import prefill as cpu_prefill
-from kernels.reference.merge_states import merge_states_ref
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.cpu import decode as cpu_decode
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.reference.merge_states import merge_states_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
 
 # (window, softcap): a window shorter than a page, one that spans pages and a key block,
 # soft-capping alone and with a window (Gemma 2's sliding layers).

@@ -12,9 +12,9 @@ import pytest
 import torch
 from gguf import GGUFReader
 
-from kernels.cpu import blocks as cpu_blocks
-from kernels.cpu import build
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import blocks as cpu_blocks
+from batchllm_kernels.cpu import build
+from batchllm_kernels.cpu import linear as cpu_linear
 from tests.gguf_files import KINDS, dequantized, random_weight, write_gguf
 
 SHAPES = [(37, 32), (64, 96), (211, 576)]  # (N, K)

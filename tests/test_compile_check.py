@@ -66,7 +66,7 @@ def test_a_planted_non_power_of_two_block_turns_it_red():
     """A kernel change that cannot compile (a key block of 48: tl.arange needs a power of two)
     fails the check, naming the kernel and the reason."""
     planted = (
-        "import kernels.triton.paged_attention as pa\n"
+        "import batchllm_kernels.triton.paged_attention as pa\n"
         "real = pa.launch_options\n"
         "def planted(*args):\n"
         "    options = real(*args)\n"

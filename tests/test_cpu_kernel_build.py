@@ -17,13 +17,13 @@ import torch
 
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import build as cpu_build
-from kernels.cpu import decode as cpu_decode
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu import ops as cpu_ops
-from kernels.cpu import prefill as cpu_prefill
-from kernels.reference.pointwise import TORCH_OPS
+from batchllm_kernels.cpu import attention as cpu_attention
+from batchllm_kernels.cpu import build as cpu_build
+from batchllm_kernels.cpu import decode as cpu_decode
+from batchllm_kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.reference.pointwise import TORCH_OPS
 
 LOADERS = (cpu_decode.load, cpu_prefill.load, cpu_ops.load, cpu_linear.load)
 
@@ -87,7 +87,7 @@ def test_loading_the_kernels_keeps_subnormal_floats():
     flush-to-zero (GCC's crtfastmath.o did, for torch's and numpy's float ops too)."""
     code = (
         "import numpy as np, torch\n"
-        "from kernels.cpu import decode, linear, ops, prefill\n"
+        "from batchllm_kernels.cpu import decode, linear, ops, prefill\n"
         "libs = [m.load() for m in (decode, linear, ops, prefill)]\n"
         "assert all(lib is not None for lib in libs), libs\n"
         "tiny = np.float32(1e-39)\n"

@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, apply_rotary_pos_emb
 
-from kernels.cpu import ops as cpu_ops
-from kernels.reference import pointwise
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.reference import pointwise
 
 
 def c_ops():

@@ -133,8 +133,8 @@ def test_greedy_steps_take_the_lm_head_argmax(monkeypatch) -> None:
 @pytest.mark.parametrize("sharing", [True, False])
 def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None:
     """BATCHLLM_CPU_KERNEL=0 (or no C compiler): every part of the CPU path in torch."""
-    from kernels.reference.pointwise import TORCH_OPS
-    from kernels.reference.store_kv import store_kv_ref
+    from batchllm_kernels.reference.pointwise import TORCH_OPS
+    from batchllm_kernels.reference.store_kv import store_kv_ref
 
     # Read where the ops are picked (batchllm/model/ops.py), whatever the C loaders hold.
     monkeypatch.setenv("BATCHLLM_CPU_KERNEL", "0")

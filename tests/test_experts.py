@@ -14,8 +14,8 @@ from batchllm import LLM, SamplingParams
 from batchllm.model import experts
 from batchllm.model.experts import GroupedExperts, Routing, group_by_expert, route
 from batchllm.model.weights import load_weights
-from kernels.reference.grouped_matmul import grouped_matmul_ref
-from kernels.reference.pointwise import silu_mul_ref
+from batchllm_kernels.reference.grouped_matmul import grouped_matmul_ref
+from batchllm_kernels.reference.pointwise import silu_mul_ref
 
 DEVICE = "cuda" if CUDA else "cpu"
 
@@ -121,7 +121,7 @@ def test_grouped_launch_equals_one_projection_per_expert():
 def test_triton_grouped_matmul_matches_twin(counts, dtype):
     """Odd run lengths, empty experts, a run over several row tiles; output width not a
     multiple of the column tile."""
-    grouped = load("kernels.triton.grouped_matmul")
+    grouped = load("batchllm_kernels.triton.grouped_matmul")
     gen = torch.Generator().manual_seed(sum(counts))
     k, m = 40, 72
     x = torch.randn(sum(counts), k, generator=gen).to(dtype).to(DEVICE)
@@ -135,7 +135,7 @@ def test_triton_grouped_matmul_matches_twin(counts, dtype):
 
 
 def test_triton_grouped_matmul_rejects_bad_inputs():
-    grouped = load("kernels.triton.grouped_matmul")
+    grouped = load("batchllm_kernels.triton.grouped_matmul")
     x, w = torch.zeros(4, 8, device=DEVICE), torch.zeros(2, 6, 8, device=DEVICE)
     with pytest.raises(ValueError, match="offsets"):
         grouped.grouped_matmul(x, w, torch.tensor([0, 4], dtype=torch.int32, device=DEVICE))

@@ -21,7 +21,7 @@ PROMPTS = nested_prompts()[:6]  # a shared system prompt, two templates, a docum
 def test_family_on_the_triton_kernels(kind: str, sharing: bool, monkeypatch) -> None:
     for name in ("store_kv", "paged_attention", "prefix_attention", "merge_states",
                  "grouped_matmul"):
-        load(f"kernels.triton.{name}")  # made for the interpreter before the ops pick them
+        load(f"batchllm_kernels.triton.{name}")  # made for the interpreter before the ops pick them
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")  # the CUDA path: its kernels, its step loop
     llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cpu",
               kv_cache_memory=32 << 20, prefix_sharing=sharing, max_batched_tokens=40)

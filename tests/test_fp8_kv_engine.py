@@ -31,7 +31,7 @@ from batchllm.config import EngineConfig, job_from_dict
 from batchllm.model.errors import ModelError
 from batchllm.model.fp8_checkpoint import take_kv_scales
 from batchllm.plan_report import memory_report
-from kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
 
 pytestmark = pytest.mark.slow  # the fast lane leaves it out (README: Run the tests)
 
@@ -125,7 +125,7 @@ def test_fp8_kv_job_on_the_triton_kernels_matches_transformers(sharing, monkeypa
     from triton_interpreter import load
 
     for name in ("store_kv", "rotary", "paged_attention", "prefix_attention", "merge_states"):
-        load(f"kernels.triton.{name}")
+        load(f"batchllm_kernels.triton.{name}")
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     llm, outs = run(scaled_checkpoint(), prefix_sharing=sharing)
     assert llm.runtime.loaded.model.ops.device_steps

@@ -12,15 +12,15 @@ import pytest
 import torch
 from triton_interpreter import CUDA, load
 
-_fp8, _store, _rotary, _paged, _prefix = (load(f"kernels.triton.{n}") for n in (
+_fp8, _store, _rotary, _paged, _prefix = (load(f"batchllm_kernels.triton.{n}") for n in (
     "fp8", "store_kv", "rotary", "paged_attention", "prefix_attention"))
 import triton
 import triton.language as tl
 
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.prefix_attention import prefix_attention_ref
-from kernels.reference.rope_store import rope_store_ref
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.reference.rope_store import rope_store_ref
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 DEVICE = "cuda" if CUDA else "cpu"
 FP8 = torch.float8_e4m3fn

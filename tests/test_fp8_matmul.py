@@ -11,9 +11,9 @@ import pytest
 import torch
 from triton_interpreter import CUDA, load
 
-_mm = load("kernels.triton.fp8_matmul")
+_mm = load("batchllm_kernels.triton.fp8_matmul")
 from batchllm.model.fp8_weights import Fp8Weight, quantize
-from kernels.reference.fp8_matmul import (
+from batchllm_kernels.reference.fp8_matmul import (
     dequantize_weight,
     fp8_matmul_ref,
     quantize_rows_ref,

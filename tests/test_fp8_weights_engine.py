@@ -96,7 +96,7 @@ def test_fp8_checkpoints_on_the_triton_kernels(scheme, path, monkeypatch):
 
     for name in ("fp8_matmul", "store_kv", "rotary", "paged_attention", "prefix_attention",
                  "merge_states"):
-        load(f"kernels.triton.{name}")
+        load(f"batchllm_kernels.triton.{name}")
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     monkeypatch.setenv("BATCHLLM_FP8_MATMUL", path)
     folder, plain = fp8_checkpoint(tiny_model_folder("llama"), scheme)

@@ -9,7 +9,7 @@ import platform
 import pytest
 
 from batchllm.model.ops import kernel_path
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import linear as cpu_linear
 
 
 def _flags() -> set[str]:
@@ -47,7 +47,7 @@ def test_the_avx2_build_is_forced_and_named(monkeypatch, tmp_path):
     float32 product within rounding, and the path says avx2."""
     import torch
 
-    from kernels.cpu import build as cpu_build
+    from batchllm_kernels.cpu import build as cpu_build
 
     if "avx2" not in _flags():
         pytest.skip("no AVX2 on this CPU")

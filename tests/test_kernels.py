@@ -12,12 +12,12 @@ import pytest
 import torch
 from triton_interpreter import CUDA, load
 
-_checks, _store, _paged, _prefix, _merge = (load(f"kernels.triton.{n}") for n in (
+_checks, _store, _paged, _prefix, _merge = (load(f"batchllm_kernels.triton.{n}") for n in (
     "checks", "store_kv", "paged_attention", "prefix_attention", "merge_states"))
-from kernels.reference.merge_states import merge_states_ref
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.prefix_attention import prefix_attention_ref
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.reference.merge_states import merge_states_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 DEVICE = "cuda" if CUDA else "cpu"
 DTYPES = [torch.float32, torch.bfloat16] if CUDA else [torch.float32, torch.float16]

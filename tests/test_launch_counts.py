@@ -55,7 +55,7 @@ def count_decode_steps(monkeypatch, cuda_graphs: bool) -> list[dict]:
     """Per decode step of a short run: Triton launches, torch ops (outside and inside what a
     CUDA graph captures)."""
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
-    from kernels.triton import launch
+    from batchllm_kernels.triton import launch
 
     llm = LLM(str(tiny_model_folder("llama-30")), dtype="float32", device="cpu",
               kv_cache_memory=32 << 20, cuda_graphs=cuda_graphs)

@@ -10,7 +10,7 @@ import torch.nn.functional as F
 
 from batchllm.model.linear import Linear
 from batchllm.model.ops import pick_ops
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import linear as cpu_linear
 
 BACKENDS = ["panels", "onednn"]
 

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import build
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import build
+from batchllm_kernels.cpu import linear as cpu_linear
 
 # The kernel as this machine builds it, and its narrower paths built here too (a machine without
 # AVX-512, or without AVX2, runs those): extra compiler flags for each.

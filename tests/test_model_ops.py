@@ -11,14 +11,14 @@ from transformers import GPT2Config, LlamaConfig
 from batchllm.model.decoder import model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.ops import pick_ops
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import decode as cpu_decode
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu import ops as cpu_ops
-from kernels.cpu import prefill as cpu_prefill
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.pointwise import TORCH_OPS
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.cpu import attention as cpu_attention
+from batchllm_kernels.cpu import decode as cpu_decode
+from batchllm_kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.pointwise import TORCH_OPS
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 CPU = torch.device("cpu")
 
@@ -68,7 +68,7 @@ def test_other_dtypes_on_the_cpu_run_the_twins():
 
 def test_cuda_runs_the_triton_kernels():
     pytest.importorskip("triton")
-    from kernels.triton import (
+    from batchllm_kernels.triton import (
         gated_mul,
         grouped_matmul,
         merge_states,

@@ -22,7 +22,7 @@ from batchllm.model import panel_cache, panel_file
 from batchllm.model.attention import PagedAttention, StepMetadata
 from batchllm.model.linear import Linear
 from batchllm.model.loader import LoadedModel, load_model
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import linear as cpu_linear
 
 pytestmark = pytest.mark.skipif(cpu_linear.load() is None,
                                 reason="the C projection kernel cannot be built here")

@@ -15,16 +15,16 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import build
-from kernels.cpu import decode as cpu_decode
-from kernels.cpu import ops as cpu_ops
-from kernels.cpu import prefill as cpu_prefill
-from kernels.reference.merge_states import merge_states_ref
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.prefix_attention import prefix_attention_ref
-from kernels.reference.step_index import index_step
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.cpu import attention as cpu_attention
+from batchllm_kernels.cpu import build
+from batchllm_kernels.cpu import decode as cpu_decode
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.reference.merge_states import merge_states_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.reference.step_index import index_step
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 HKV = 2
 
@@ -368,13 +368,13 @@ def test_import_kernels_without_triton(monkeypatch):
     """kernels, its twins and its C path import without triton (and do not import it); the
     Triton launchers raise ImportError saying they need it."""
     for name in list(sys.modules):
-        if name.split(".")[0] in ("kernels", "triton"):
+        if name.split(".")[0] in ("batchllm_kernels", "triton"):
             monkeypatch.delitem(sys.modules, name)
     monkeypatch.setitem(sys.modules, "triton", None)  # "import triton" raises ImportError
-    importlib.import_module("kernels")
+    importlib.import_module("batchllm_kernels")
     for name in ("attention", "build", "decode", "linear", "ops", "prefill"):
-        importlib.import_module(f"kernels.cpu.{name}")
-    fresh = importlib.import_module("kernels.reference.paged_attention")
+        importlib.import_module(f"batchllm_kernels.cpu.{name}")
+    fresh = importlib.import_module("batchllm_kernels.reference.paged_attention")
     assert callable(fresh.paged_attention_ref)
     with pytest.raises(ImportError, match="needs triton"):
-        importlib.import_module("kernels.triton.paged_attention")
+        importlib.import_module("batchllm_kernels.triton.paged_attention")

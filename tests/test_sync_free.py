@@ -147,7 +147,7 @@ def test_the_forward_of_the_cuda_path_never_synchronises(kind: str, monkeypatch)
     """Prefill chunks, decodes, mixed steps, a shared prefix: every forward of a real run."""
     for name in ("store_kv", "paged_attention", "prefix_attention", "merge_states",
                  "grouped_matmul", "rms_norm", "rotary", "gated_mul"):
-        load(f"kernels.triton.{name}")  # made for the interpreter before the ops pick them
+        load(f"batchllm_kernels.triton.{name}")  # made for the interpreter before the ops pick them
     if not CUDA:
         monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     llm = LLM(str(tiny_model_folder(kind)), dtype="float32", device="cuda" if CUDA else "cpu",

@@ -98,7 +98,7 @@ SCENARIOS = {
 def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypatch) -> None:
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     from batchllm.engine.device_runner import DeviceRunner
-    from kernels.triton import launch
+    from batchllm_kernels.triton import launch
 
     settings = dict(SCENARIOS[scenario])
     if scenario == "preempted":
@@ -110,7 +110,7 @@ def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypat
     ops = llm.runtime.loaded.model.ops
     pointwise = [*ops.pointwise, ops.rope_store, ops.store_kv, ops.paged_attention,
                  ops.prefix_attention, ops.prefix_attention_into, ops.merge_states]
-    assert all(f.__module__.startswith("kernels.triton.") for f in pointwise), pointwise
+    assert all(f.__module__.startswith("batchllm_kernels.triton.") for f in pointwise), pointwise
     assert ops.device_steps and ops.projection == "dense"
     runner = llm.runtime.engine.runner
     assert isinstance(runner, DeviceRunner)
@@ -188,13 +188,13 @@ def test_a_missing_or_broken_triton_fails_when_the_ops_are_picked(monkeypatch) -
 
     from batchllm.model import ops
     from batchllm.model.errors import ModelError
-    from kernels.triton import launch
+    from batchllm_kernels.triton import launch
 
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     if torch.cuda.is_available():
-        pytest.skip("checks the CPU's interpreter path (kernels.triton is compiled here)")
+        pytest.skip("checks the CPU's interpreter path (batchllm_kernels.triton is compiled here)")
     cpu = torch.device("cpu")
-    monkeypatch.setitem(sys.modules, "kernels.triton", None)  # as if triton were not there
+    monkeypatch.setitem(sys.modules, "batchllm_kernels.triton", None)  # as if triton were not there
     with pytest.raises(ModelError, match="model.device: the cpu path runs Triton kernels, and "
                                          "triton cannot be imported"):
         ops.pick_ops(cpu, torch.float32, 4, 16)

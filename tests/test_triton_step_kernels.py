@@ -15,12 +15,17 @@ import torch
 
 pytest.importorskip("triton")
 
-from kernels.reference.merge_states import merge_states_ref
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.pointwise import add_rms_norm_ref, gelu_tanh_mul_ref, rope_ref, silu_mul_ref
-from kernels.reference.rope_store import rope_store_ref
-from kernels.triton import gated_mul, merge_states, paged_attention, rms_norm, rotary
-from kernels.triton import launch as triton_launch
+from batchllm_kernels.reference.merge_states import merge_states_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.pointwise import (
+    add_rms_norm_ref,
+    gelu_tanh_mul_ref,
+    rope_ref,
+    silu_mul_ref,
+)
+from batchllm_kernels.reference.rope_store import rope_store_ref
+from batchllm_kernels.triton import gated_mul, merge_states, paged_attention, rms_norm, rotary
+from batchllm_kernels.triton import launch as triton_launch
 
 CUDA = torch.cuda.is_available()
 DEVICE = "cuda" if CUDA else "cpu"

@@ -13,7 +13,7 @@ from batchllm.rows.lock import OutputLock
 from batchllm.rows.record import Row
 from batchllm.rows.writer import CheckpointWriter, output_schema, write_metrics
 from batchllm.sampling_params import SamplingParams
-from kernels import atomic_write
+from batchllm_kernels import atomic_write
 
 FP = {"job": "legal", "model": "smollm2-135m-instruct", "sampling": {"max_tokens": 8}}
 

@@ -15,7 +15,7 @@ if not CUDA:
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from kernels.triton import _interpret_triton_library  # after TRITON_INTERPRET is set
+from batchllm_kernels.triton import _interpret_triton_library  # after TRITON_INTERPRET is set
 
 _loaded: dict[str, object] = {}
 
@@ -33,4 +33,4 @@ def load(name: str):
 
 if not CUDA:
     _interpret_triton_library()
-load("kernels.triton.tiles")  # first: the jitted pieces the other kernels import
+load("batchllm_kernels.triton.tiles")  # first: the jitted pieces the other kernels import

@@ -32,11 +32,11 @@ from dataclasses import dataclass
 import torch
 
 from batchllm.model.ops import ModelOps, pick_ops
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.prefix_attention import prefix_attention_ref
-from kernels.reference.rope_store import rope_then_store
-from kernels.reference.step_index import StepIndex, index_step
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.reference.rope_store import rope_then_store
+from batchllm_kernels.reference.step_index import StepIndex, index_step
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 FP8 = torch.float8_e4m3fn
 KV_CACHE_DTYPES = ("auto", "fp8")  # engine.kv_cache_dtype

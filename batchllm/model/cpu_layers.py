@@ -23,12 +23,12 @@ import torch
 
 from batchllm.model.attention import PagedAttention
 from batchllm.model.linear import Linear
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import blocks as cpu_blocks
-from kernels.cpu import layers as cpu_layers
-from kernels.cpu import ops as cpu_ops
-from kernels.cpu import prefill as cpu_prefill
-from kernels.cpu.checks import address, int32_indices
+from batchllm_kernels.cpu import attention as cpu_attention
+from batchllm_kernels.cpu import blocks as cpu_blocks
+from batchllm_kernels.cpu import layers as cpu_layers
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.cpu.checks import address, int32_indices
 
 
 class LayeredModel(Protocol):

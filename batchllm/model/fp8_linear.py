@@ -20,7 +20,7 @@ import torch
 from batchllm.model.errors import ModelError
 from batchllm.model.fp8_weights import Fp8Weight
 from batchllm.model.ops import backend
-from kernels.reference.fp8_matmul import fp8_matmul_ref
+from batchllm_kernels.reference.fp8_matmul import fp8_matmul_ref
 
 PATHS = ("reference", "w8a8", "w8a16")
 
@@ -53,7 +53,9 @@ class Fp8Linear:
         self.path = fp8_path(self.fp8.weight.device)
         self._kernel = None
         if self.path != "reference":
-            from kernels.triton.fp8_matmul import fp8_linear  # the CUDA path only needs triton
+            from batchllm_kernels.triton.fp8_matmul import (  # the CUDA path only needs triton
+                fp8_linear,
+            )
 
             self._kernel = fp8_linear
 

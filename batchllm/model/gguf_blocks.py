@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kernels.cpu.blocks import BLOCK, TYPES
+from batchllm_kernels.cpu.blocks import BLOCK, TYPES
 
 # the weights read as blocks: a layer's attention and dense MLP projections, and the lm_head
 PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|"

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from batchllm.model.cache_dir import cache_root
-from kernels.atomic_write import write_atomic
+from batchllm_kernels.atomic_write import write_atomic
 
 # Every attribute of a config that batchllm's model code reads (families.py, rotary.py,
 # decoder.py, loader.py, experts.py); tests/test_hf_cache.py checks the code against it.

@@ -29,8 +29,8 @@ from batchllm.model.fp8_linear import Fp8Linear
 from batchllm.model.fp8_weights import holds_fp8
 from batchllm.model.gguf_blocks import BlockWeight
 from batchllm.model.ops import Projection
-from kernels.cpu import blocks as cpu_blocks
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import blocks as cpu_blocks
+from batchllm_kernels.cpu import linear as cpu_linear
 
 _ROWS_HINT = 64  # the batch size oneDNN picks its weight layout for: a decode step's rows
 

@@ -27,18 +27,18 @@ from typing import Literal
 import torch
 
 from batchllm.model.errors import ModelError
-from kernels.cpu import attention as cpu_attention
-from kernels.cpu import build as cpu_build
-from kernels.cpu import decode as cpu_decode
-from kernels.cpu import linear as cpu_linear
-from kernels.cpu import ops as cpu_ops
-from kernels.cpu import prefill as cpu_prefill
-from kernels.reference.merge_states import merge_states_ref
-from kernels.reference.paged_attention import paged_attention_ref
-from kernels.reference.pointwise import TORCH_OPS, PointwiseOps
-from kernels.reference.prefix_attention import prefix_attention_ref
-from kernels.reference.rope_store import rope_then_store
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.cpu import attention as cpu_attention
+from batchllm_kernels.cpu import build as cpu_build
+from batchllm_kernels.cpu import decode as cpu_decode
+from batchllm_kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import ops as cpu_ops
+from batchllm_kernels.cpu import prefill as cpu_prefill
+from batchllm_kernels.reference.merge_states import merge_states_ref
+from batchllm_kernels.reference.paged_attention import paged_attention_ref
+from batchllm_kernels.reference.pointwise import TORCH_OPS, PointwiseOps
+from batchllm_kernels.reference.prefix_attention import prefix_attention_ref
+from batchllm_kernels.reference.rope_store import rope_then_store
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 # How a projection's weight is laid out at load and multiplied (model/linear.py):
 #   "panels"  the C kernel's 16-column panels (kernels/cpu/linear.py)
@@ -105,7 +105,7 @@ def kernel_path(device: str, dtype: str) -> str:
     cpu-c-avx2) in float32 on x86 with AVX2 or AVX-512 where the C kernels build (enabled, a
     compiler, a safe folder); else cpu-torch (ARM, macOS, BATCHLLM_CPU_KERNEL=0, no compiler,
     another dtype)."""
-    from kernels.cpu import linear as cpu_linear
+    from batchllm_kernels.cpu import linear as cpu_linear
 
     if device == "cuda":
         return "cuda-triton"
@@ -121,9 +121,10 @@ def _triton_ops(device: torch.device) -> ModelOps:
     """The CUDA path: the Triton kernels (imported here only, so the CPU path needs no triton),
     checked by one small launch where the device is there."""
     if device.type != "cuda":
-        os.environ["TRITON_INTERPRET"] = "1"  # before kernels.triton's modules make the kernels
+        # before batchllm_kernels.triton's modules make the kernels
+        os.environ["TRITON_INTERPRET"] = "1"
     try:
-        from kernels.triton import (
+        from batchllm_kernels.triton import (
             gated_mul,
             grouped_matmul,
             merge_states,
@@ -172,7 +173,7 @@ def _triton_ops(device: torch.device) -> ModelOps:
 def _check_triton_runs(device: str) -> None:
     """One small kernel compiled and run on `device`: a Triton that imports but cannot compile or
     launch (no ptxas, a driver too old) fails here, once, with the reason."""
-    from kernels.triton import gated_mul
+    from batchllm_kernels.triton import gated_mul
 
     x = torch.linspace(-4, 4, 64, device=device).view(1, 64)
     try:

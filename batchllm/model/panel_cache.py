@@ -35,7 +35,7 @@ import torch
 
 from batchllm.model import panel_file
 from batchllm.model.panel_file import FILE_NAME, Packed, read_header
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.cpu import linear as cpu_linear
 
 LAYOUT_VERSION = 3  # the file format (3: panels and bias only); the code is in the key by its digest
 

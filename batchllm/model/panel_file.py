@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from kernels.atomic_write import write_atomic
-from kernels.cpu import linear as cpu_linear
+from batchllm_kernels.atomic_write import write_atomic
+from batchllm_kernels.cpu import linear as cpu_linear
 
 MAGIC = b"BLLMPNL1"
 FILE_NAME = "batchllm_panels.bin"

@@ -29,7 +29,7 @@ from typing import IO, Any
 from urllib.parse import urlsplit
 
 from batchllm.rows.redact import redact
-from kernels.atomic_write import write_atomic as write_local
+from batchllm_kernels.atomic_write import write_atomic as write_local
 
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 

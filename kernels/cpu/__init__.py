@@ -1,6 +1,6 @@
 """The CPU path's C kernels, built with the system C compiler on first use and called through
 ctypes; where one cannot be built (no compiler, BATCHLLM_CPU_KERNEL=0) its torch twin in
-kernels.reference runs instead.
+batchllm_kernels.reference runs instead.
 
   decode.c / decode.py    decode attention over the pages in place
   prefill.c / prefill.py  prefill-chunk attention, and a shared prefix merged into it in place

@@ -8,9 +8,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.cpu import decode, prefill
-from kernels.reference.paged_attention import attend_chunks, attend_decodes
-from kernels.reference.step_index import StepIndex
+from batchllm_kernels.cpu import decode, prefill
+from batchllm_kernels.reference.paged_attention import attend_chunks, attend_decodes
+from batchllm_kernels.reference.step_index import StepIndex
 
 
 def paged_attention_cpu(

@@ -14,9 +14,9 @@ import functools
 
 import torch
 
-from kernels.cpu.build import load_library
-from kernels.cpu.checks import address
-from kernels.cpu.linear import PANEL
+from batchllm_kernels.cpu.build import load_library
+from batchllm_kernels.cpu.checks import address
+from batchllm_kernels.cpu.linear import PANEL
 
 # GGML's type name -> (its type id, bytes a block of 32 weights)
 TYPES: dict[str, tuple[int, int]] = {"Q4_0": (2, 18), "Q4_1": (3, 20), "Q8_0": (8, 34)}

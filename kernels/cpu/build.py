@@ -34,7 +34,7 @@ from pathlib import Path
 
 import torch
 
-from kernels.atomic_write import atomic_path
+from batchllm_kernels.atomic_write import atomic_path
 
 _HERE = Path(__file__).parent
 _FLAGS = ("-O3", "-ffast-math", "-fno-finite-math-only", "-fPIC")

@@ -14,8 +14,8 @@ import functools
 
 import torch
 
-from kernels.cpu.build import load_library
-from kernels.cpu.checks import attention_args
+from batchllm_kernels.cpu.build import load_library
+from batchllm_kernels.cpu.checks import attention_args
 
 
 @functools.cache

@@ -11,8 +11,8 @@ from __future__ import annotations
 import ctypes
 import functools
 
-from kernels.cpu import blocks, decode, linear, ops, prefill
-from kernels.cpu.build import load_library
+from batchllm_kernels.cpu import blocks, decode, linear, ops, prefill
+from batchllm_kernels.cpu.build import load_library
 
 _p, _i64, _f32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

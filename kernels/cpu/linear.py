@@ -28,8 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kernels.cpu.build import load_library
-from kernels.cpu.checks import address
+from batchllm_kernels.cpu.build import load_library
+from batchllm_kernels.cpu.checks import address
 
 PANEL = 16  # columns of W per panel (the kernel's NR)
 

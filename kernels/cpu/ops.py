@@ -15,8 +15,8 @@ import functools
 
 import torch
 
-from kernels.cpu.build import load_library
-from kernels.reference.pointwise import PointwiseOps
+from batchllm_kernels.cpu.build import load_library
+from batchllm_kernels.reference.pointwise import PointwiseOps
 
 
 @functools.cache

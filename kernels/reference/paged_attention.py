@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference.attend import attend_rows, soft_cap, visible_keys
-from kernels.reference.kv_fp8 import dequantize_kv
-from kernels.reference.step_index import StepIndex, index_step
+from batchllm_kernels.reference.attend import attend_rows, soft_cap, visible_keys
+from batchllm_kernels.reference.kv_fp8 import dequantize_kv
+from batchllm_kernels.reference.step_index import StepIndex, index_step
 
 
 def _attend_one_query(

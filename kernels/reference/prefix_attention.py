@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference.attend import attend_rows
-from kernels.reference.kv_fp8 import dequantize_kv
+from batchllm_kernels.reference.attend import attend_rows
+from batchllm_kernels.reference.kv_fp8 import dequantize_kv
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

@@ -9,8 +9,8 @@ from collections.abc import Callable
 
 import torch
 
-from kernels.reference.pointwise import rope_ref
-from kernels.reference.store_kv import store_kv_ref
+from batchllm_kernels.reference.pointwise import rope_ref
+from batchllm_kernels.reference.store_kv import store_kv_ref
 
 
 def rope_then_store(rope_: Callable, store_kv: Callable) -> Callable:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.reference.kv_fp8 import is_fp8, quantize_kv
+from batchllm_kernels.reference.kv_fp8 import is_fp8, quantize_kv
 
 
 def store_kv_ref(

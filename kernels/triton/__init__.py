@@ -16,9 +16,9 @@ compiles the same plans for real GPU targets.
   checks.py            the launchers' input checks and grid arithmetic
   launch.py            a launch as data, and the one place that launches
 
-Their pure-torch twins are in kernels.reference. Importing this package needs triton; without
-it the import fails here, with the reason. Under TRITON_INTERPRET=1 (set before these modules
-are imported) the launchers also run on CPU tensors, slowly: that is how the tests, and
+Their pure-torch twins are in batchllm_kernels.reference. Importing this package needs triton;
+without it the import fails here, with the reason. Under TRITON_INTERPRET=1 (set before these
+modules are imported) the launchers also run on CPU tensors, slowly: that is how the tests, and
 BATCHLLM_BACKEND=triton on a machine without a GPU, run them. (The interpreter truncates
 float32 -> bfloat16 casts where a GPU rounds to nearest even; the tests round as a GPU does:
 tests/triton_rounding.py.)
@@ -32,8 +32,9 @@ try:
     import triton  # noqa: F401
 except ImportError as error:  # triton is not installed (CPU-only machines)
     raise ImportError(
-        f"kernels.triton needs triton, which could not be imported ({type(error).__name__}: "
-        f"{error}); on the CPU use the twins in kernels.reference"
+        "batchllm_kernels.triton needs triton, which could not be imported "
+        f"({type(error).__name__}: {error}); on the CPU use the twins in "
+        f"batchllm_kernels.reference"
     ) from error
 
 

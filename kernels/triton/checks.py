@@ -34,8 +34,8 @@ def check_device(kernel: object, **tensors: torch.Tensor) -> torch.device:
     if first.type not in ("cuda", "meta") and not isinstance(kernel, InterpretedFunction):
         raise ValueError(
             f"Triton kernels need CUDA tensors (got {first}); set TRITON_INTERPRET=1 before "
-            "importing kernels.triton to run them on the CPU, or use the twins in "
-            "kernels.reference"
+            "importing batchllm_kernels.triton to run them on the CPU, or use the twins in "
+            "batchllm_kernels.reference"
         )
     return first
 

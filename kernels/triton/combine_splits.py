@@ -11,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import cdiv, pow2
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton.checks import cdiv, pow2
+from batchllm_kernels.triton.launch import Launch
 
 
 @triton.jit

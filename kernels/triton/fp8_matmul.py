@@ -12,7 +12,7 @@ Two paths, by what the GPU multiplies:
         exactly into x's dtype (fp8.py) and multiplied with x as it is.
 One program per (BLOCK_M rows, BLOCK_N outputs) tile, looping over K in BLOCK_K steps (BLOCK_K
 divides COL_BLOCK, so a step lies in one scale group). Twins:
-`kernels.reference.fp8_matmul.quantize_rows_ref`, `fp8_matmul_ref`.
+`batchllm_kernels.reference.fp8_matmul.quantize_rows_ref`, `fp8_matmul_ref`.
 """
 
 from __future__ import annotations
@@ -21,10 +21,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_device, pow2
-from kernels.triton.fp8 import DECODE_SCALE, decode_e4m3, encode_e4m3
-from kernels.triton.launch import Launch, interpreted
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import cdiv, check_device, pow2
+from batchllm_kernels.triton.fp8 import DECODE_SCALE, decode_e4m3, encode_e4m3
+from batchllm_kernels.triton.launch import Launch, interpreted
 
 FP8 = torch.float8_e4m3fn
 _DECODE_SCALE = tl.constexpr(DECODE_SCALE)

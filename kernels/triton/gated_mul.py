@@ -3,7 +3,7 @@ act(gate) * up, with act SiLU (Llama, Qwen, Mistral, Phi) or GELU-tanh (Gemma).
 
 One program per (token, block of columns). Rounded as Hugging Face's MLP in the model dtype:
 act(gate) rounded to it, then the product.
-Twins: `kernels.reference.pointwise.silu_mul_ref`, `gelu_tanh_mul_ref`.
+Twins: `batchllm_kernels.reference.pointwise.silu_mul_ref`, `gelu_tanh_mul_ref`.
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_device, check_rows
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import cdiv, check_device, check_rows
+from batchllm_kernels.triton.launch import Launch
 
 _BLOCK = 1024  # columns per program
 _SQRT_2_OVER_PI = tl.constexpr(0.7978845608028654)

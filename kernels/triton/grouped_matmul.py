@@ -6,7 +6,7 @@ One program per (row tile, column tile). Tiles are numbered without a host sync,
 attention kernels number theirs (tiles.find_seq): expert e owns tiles offsets[e] // BLOCK_M + e
 onwards, at most N // BLOCK_M + E in all; a program finds its expert by binary search over the
 offsets and returns at once when its tile lies past the expert's rows.
-Twin: `kernels.reference.grouped_matmul.grouped_matmul_ref`.
+Twin: `batchllm_kernels.reference.grouped_matmul.grouped_matmul_ref`.
 """
 
 from __future__ import annotations
@@ -15,10 +15,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_device, check_index
-from kernels.triton.launch import Launch, dot_f32
-from kernels.triton.tiles import find_seq
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import cdiv, check_device, check_index
+from batchllm_kernels.triton.launch import Launch, dot_f32
+from batchllm_kernels.triton.tiles import find_seq
 
 
 @triton.jit

@@ -1,6 +1,7 @@
 """Triton kernel: merge attention states over two disjoint key sets by the log-sum-exp rule.
 
-One program per (token, block of heads). Twin: `kernels.reference.merge_states.merge_states_ref`.
+One program per (token, block of heads). Twin:
+`batchllm_kernels.reference.merge_states.merge_states_ref`.
 """
 
 from __future__ import annotations
@@ -9,9 +10,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import cdiv, check_device, check_rows, pow2
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import cdiv, check_device, check_rows, pow2
+from batchllm_kernels.triton.launch import Launch
 
 
 @triton.jit

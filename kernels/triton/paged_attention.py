@@ -14,7 +14,7 @@ decode-only step with few, long sequences also splits each sequence's keys into 
 (split-KV, like the prefix kernel), folded by combine_splits.py. The split count depends on the
 launch's shape and the `max_context` hint only, so a captured CUDA graph stays right.
 An FP8 cache (float8_e4m3fn with k_scale and v_scale per KV head) is read through tiles.py's
-FP8 path. Twin: `kernels.reference.paged_attention.paged_attention_ref`.
+FP8 path. Twin: `batchllm_kernels.reference.paged_attention.paged_attention_ref`.
 
 The tile's pieces (find_seq, attend_pages, store_tile) are in tiles.py, shared with
 prefix_attention.py.
@@ -26,8 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import (
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import (
     cdiv,
     check_attention,
     check_device,
@@ -35,9 +35,9 @@ from kernels.triton.checks import (
     kv_operands,
     pow2,
 )
-from kernels.triton.combine_splits import plan_combine, split_buffers
-from kernels.triton.launch import Launch
-from kernels.triton.tiles import (
+from batchllm_kernels.triton.combine_splits import plan_combine, split_buffers
+from batchllm_kernels.triton.launch import Launch
+from batchllm_kernels.triton.tiles import (
     LOG2E,
     attend_pages,
     find_seq,

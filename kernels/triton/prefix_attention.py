@@ -8,7 +8,7 @@ many ranges as the launch has splits, whose partial (o, lse) a second small kern
 (combine_splits.py). The split count depends on the launch's shape only, not on the lengths,
 so a captured CUDA graph stays right whatever the prefixes. No causal mask: every query comes
 after the prefix. The tile's pieces are in tiles.py, an FP8 cache's reading too.
-Twin: `kernels.reference.prefix_attention.prefix_attention_ref`.
+Twin: `batchllm_kernels.reference.prefix_attention.prefix_attention_ref`.
 """
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import (
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import (
     cdiv,
     check_attention,
     check_device,
@@ -26,10 +26,10 @@ from kernels.triton.checks import (
     kv_operands,
     pow2,
 )
-from kernels.triton.combine_splits import plan_combine, split_buffers
-from kernels.triton.launch import Launch
-from kernels.triton.merge_states import plan_merge_states
-from kernels.triton.tiles import (
+from batchllm_kernels.triton.combine_splits import plan_combine, split_buffers
+from batchllm_kernels.triton.launch import Launch
+from batchllm_kernels.triton.merge_states import plan_merge_states
+from batchllm_kernels.triton.tiles import (
     LOG2E,
     attend_pages,
     find_seq,

@@ -3,7 +3,7 @@
 One program per token row. Rounded as Hugging Face's LlamaRMSNorm and its residual add in the
 model dtype: the sum rounded to h's dtype, the variance and the scaling in float32, the
 normalised row cast to the dtype before the weight multiplies it.
-Twin: `kernels.reference.pointwise.add_rms_norm_ref` (torch runs it as ~8 kernels).
+Twin: `batchllm_kernels.reference.pointwise.add_rms_norm_ref` (torch runs it as ~8 kernels).
 """
 
 from __future__ import annotations
@@ -12,9 +12,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import check_device, check_rows, pow2
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import check_device, check_rows, pow2
+from batchllm_kernels.triton.launch import Launch
 
 
 @triton.jit

@@ -9,8 +9,8 @@ rotation's chain of torch kernels and a store kernel after it. An FP8 cache is w
 store_kv.py writes it (each KV head divided by its scale, rounded to e4m3).
 Rounded as Hugging Face's apply_rotary_pos_emb in the model dtype: cos and sin cast to it, each
 product rounded, then their sum.
-Twins: `kernels.reference.pointwise.rope_ref`, and `kernels.reference.rope_store.rope_store_ref`
-(that and `store_kv_ref`).
+Twins: `batchllm_kernels.reference.pointwise.rope_ref`, and
+`batchllm_kernels.reference.rope_store.rope_store_ref` (that and `store_kv_ref`).
 """
 
 from __future__ import annotations
@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import (
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import (
     cdiv,
     check_cache,
     check_device,
@@ -29,8 +29,8 @@ from kernels.triton.checks import (
     kv_operands,
     pow2,
 )
-from kernels.triton.fp8 import encode_e4m3
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton.fp8 import encode_e4m3
+from batchllm_kernels.triton.launch import Launch
 
 
 @triton.jit

@@ -1,7 +1,8 @@
 """Triton kernel: write a step's new K and V into their slots of the paged cache.
 
 An FP8 cache (float8_e4m3fn, written through its uint8 view) holds each KV head's values
-divided by its scale, rounded to e4m3 (kernels/triton/fp8.py). Twin: `kernels.reference.store_kv.store_kv_ref`.
+divided by its scale, rounded to e4m3 (kernels/triton/fp8.py). Twin:
+`batchllm_kernels.reference.store_kv.store_kv_ref`.
 """
 
 from __future__ import annotations
@@ -10,8 +11,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton import launch
-from kernels.triton.checks import (
+from batchllm_kernels.triton import launch
+from batchllm_kernels.triton.checks import (
     check_cache,
     check_device,
     check_index,
@@ -19,8 +20,8 @@ from kernels.triton.checks import (
     kv_operands,
     pow2,
 )
-from kernels.triton.fp8 import encode_e4m3
-from kernels.triton.launch import Launch
+from batchllm_kernels.triton.fp8 import encode_e4m3
+from batchllm_kernels.triton.launch import Launch
 
 
 @triton.jit

@@ -20,9 +20,9 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.triton.checks import pow2
-from kernels.triton.fp8 import DECODE_SCALE, decode_e4m3
-from kernels.triton.launch import dot_f32
+from batchllm_kernels.triton.checks import pow2
+from batchllm_kernels.triton.fp8 import DECODE_SCALE, decode_e4m3
+from batchllm_kernels.triton.launch import dot_f32
 
 LOG2E = math.log2(math.e)
 _LOG2E = tl.constexpr(LOG2E)  # the same, readable inside the jitted functions
