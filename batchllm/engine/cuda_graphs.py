@@ -1,9 +1,9 @@
 """Decode-only steps replayed as CUDA graphs, one per batch-size bucket (and per whether the step
-has shared-prefix groups, and whether it is greedy), captured the first time a bucket is used, over the step buffers'
-fixed device addresses (step_buffers.py) and the device page table (block_table.py), as
-nano-vllm's capture_cudagraph does. Prefill and mixed steps run eagerly (device_runner.py); the
-scheduler admits rows in bursts where graphs replay, so that most steps are decode-only
-(Scheduler.burst).
+has shared-prefix groups, and whether it is greedy), captured the first time a bucket is used,
+over the step buffers' fixed device addresses (step_buffers.py) and the device page table
+(block_table.py), as nano-vllm's capture_cudagraph does. Prefill and mixed steps run eagerly
+(device_runner.py); the scheduler admits rows in bursts where graphs replay, so that most steps
+are decode-only (Scheduler.burst).
 
 A greedy step (every row that samples takes the plain argmax) has the lm_head and the argmax in
 its graph: the graph's output is the ids [bucket] int64, the only thing the host reads back; no

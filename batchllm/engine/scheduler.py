@@ -1,10 +1,10 @@
 """One `schedule()` per step: which sequences run how many tokens, against a token budget and the
 page pool. Continuous batching: finished sequences leave at once, waiting ones are admitted at
-every step in plan order (or, with `burst`, in bursts while the running ones decode: see
-`_admit`). When pages run out, the latest admitted sequence is preempted (its
-pages freed, recomputed later). Shared prefixes live in a `PrefixStore` (prefix_store.py): a
-computed prefix keeps its pages until its last dependent is admitted, and each dependent borrows
-them on admission. Ints only: no tensors here.
+every step in plan order (with `burst`, in bursts while the running ones decode: `_admit`).
+When pages run out, the latest admitted sequence is preempted (its pages freed, recomputed
+later). Shared prefixes live in a `PrefixStore` (prefix_store.py): a computed prefix keeps its
+pages until its last dependent is admitted, and each dependent borrows them on admission. Ints
+only: no tensors here.
 """
 
 from __future__ import annotations
@@ -164,11 +164,12 @@ class Scheduler:
         With `burst`, a step whose running sequences all decode one token admits nothing until
         `burst` slots are free (or all that wait fit): new rows come in bursts, their prefill
         in a few mixed steps, and the steps between are decode-only, the steps a CUDA graph
-        replays (cuda_graphs.py). A step that is mixed already (a chunk of a prompt running)
-        admits as usual: it costs no replay. vLLM V0's scheduler_delay_factor and SGLang's
-        separate prefill and decode batches trade a little occupancy the same way."""
-        if self.burst and not self._bursts(plan):
-            return
+        replays (cuda_graphs.py). A step already mixed (a prompt's chunk running) admits as
+        usual. vLLM V0's scheduler_delay_factor and SGLang's separate prefill and decode
+        batches trade a little occupancy the same way."""
+        if self.burst and len(plan.counts) and int(plan.counts.max()) == 1 and (
+                self.max_num_seqs - len(self._running) < min(self.burst, len(self.waiting))):
+            return  # a decode-only step, too few slots free for a burst
         watermark = self.pool.num_pages // 100
         scanned = 0
         idx = 0
@@ -196,14 +197,6 @@ class Scheduler:
                 plan.from_prefix.append(seq)
             else:
                 plan.take(seq, n)
-
-    def _bursts(self, plan: PlanBuilder) -> bool:
-        """Whether `burst` lets this step admit: nothing runs, a running sequence runs more
-        than one token (the step is mixed anyway), or enough slots are free."""
-        if not len(plan.counts) or int(plan.counts.max()) > 1:
-            return True
-        free = self.max_num_seqs - len(self._running)
-        return free >= min(self.burst, len(self.waiting))
 
     def _attach(self, seq: Request) -> tuple[bool, tuple[int, int] | None]:
         """Borrow the parent prefix's pages, if it has one. Returns whether the page for the
