@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 
 import pytest
+import torch
 from hf_reference import tiny_model_folder
 from test_engine_equivalence import nested_prompts
 
@@ -140,17 +141,19 @@ def test_bursts_and_greedy_graphs_on_the_triton_path(monkeypatch) -> None:
     with admission at every step, in bursts, and with no graphs at all (the eager logits and
     the sampler's argmax: a greedy step's in-graph argmax gives the same ids); more steps go
     through DecodeGraphs.replay with bursts; greedy steps replay their greedy graphs and hand
-    back ids, no logits."""
+    back ids, no logits. On a GPU (scripts/gpu_check.sh) the same, the graphs captured."""
     pytest.importorskip("triton")
     monkeypatch.setenv("BATCHLLM_BACKEND", "triton")
     from batchllm.engine.device_runner import DeviceRunner
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # on CUDA: graphs captured
 
     prompts = nested_prompts()[:12]
     sp = [SamplingParams(max_tokens=3 + i % 4, ignore_eos=True, seed=i,
                           temperature=0.7 * (i % 4 == 3)) for i in range(len(prompts))]
     got, replays = {}, {}
     for name, graphs, burst in (("every", True, 0), ("bursts", True, 2), ("eager", False, 0)):
-        llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device="cpu",
+        llm = LLM(str(tiny_model_folder("llama")), dtype="float32", device=device,
                   kv_cache_memory=16 << 20, max_num_seqs=4, max_batched_tokens=64,
                   cuda_graphs=graphs)
         runner = llm.runtime.engine.runner
