@@ -121,6 +121,13 @@ def test_a_burst_waits_only_for_what_can_come() -> None:
     sched.add(row(6, 3))
     sched.finish(sched.running[0])  # one free, one waits: all that wait fit
     assert step() == [6]
+    sched.finish(sched.running[0])
+    sched.finish(sched.running[0])  # two free, four wait: a burst; row 7 takes the budget
+    for k, n in ((7, 70), (8, 3), (9, 3), (10, 3)):
+        sched.add(row(k, n))
+    assert step() == [7]
+    # one free, three wait, but row 7's last chunk runs: the step is mixed, row 8 comes
+    assert step() == [7, 8]
 
 
 def test_the_rule_is_on_where_graphs_replay(monkeypatch) -> None:
