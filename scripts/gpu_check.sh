@@ -12,7 +12,9 @@
 #      graphs on and off, prefix sharing on and off; transformers `generate` in static batches
 #      and `generate_batch` (continuous batching) on the Qwen shape, on the first rows;
 #   3. on a machine with two GPUs, tensor_parallel 2 (NCCL) on the Qwen shape against transformers;
-#   4. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly.
+#   4. one table (scripts/gpu_table.py), the goals, and every mismatch, loudly; per setting its
+#      replayed/eager steps (rows are admitted in bursts where graphs replay: on the shared-prefix
+#      job with graphs on, the goal is at least half the steps replayed).
 # Stages run under a budget (GPU_CHECK_BUDGET seconds, 400): one that would not fit is skipped,
 # and said so. Exit non-zero on any failed test, mismatch, timeout or skip.
 # $OUT (the device tool's folder; a temp folder without it) gets three files, rewritten as each
@@ -118,7 +120,8 @@ main() {
     else
         DEVICE=cuda models=qwen2.5-0.5b,llama-3.2-1b,llama-3.1-8b
         tests=(tests/test_kernels.py tests/test_triton_step_kernels.py
-               tests/test_triton_engine.py tests/test_block_table.py)
+               tests/test_triton_engine.py tests/test_block_table.py
+               tests/test_admission_bursts.py::test_bursts_and_greedy_graphs_on_the_triton_path)
     fi
 
     # 1. tests, models and jobs at once (the tests are bound by compiles, the models by disk)

@@ -119,9 +119,9 @@ def test_graph_inputs_pad_the_step_to_its_bucket():
     order = np.array([s.slot for s in [shared[2], *shared[:2]]])
     batch = build_batch(order, np.ones(3, dtype=np.int64), np.ones(3, dtype=bool), slots, 16,
                         cascade=True)
-    values, key = graphs.inputs(batch, np.array([10, 11, 12]))
+    values, key = graphs.inputs(batch, np.array([10, 11, 12]), greedy=True)
     values = {k: list(v) for k, v in values.items()}
-    assert key == (4, True)
+    assert key == (4, True, True)
     assert values["slots"] == [17, 36, 53, -1] and values["context_lens"] == [18, 21, 6, 0]
     assert values["kv_start"] == [16, 16, 0, 0] and values["seq_rows"] == [10, 11, 12, 0]
     assert values["prefix_rows"] == [10, 0, 0] and values["prefix_lens"] == [16, 0, 0]

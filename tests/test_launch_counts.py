@@ -4,14 +4,15 @@ Triton launches are counted where every launcher hands them over (kernels/triton
 replaced by a counter that launches nothing: the step computes garbage, which is fine for
 counting); torch's ops by a TorchDispatchMode, less those that launch no kernel (views,
 allocations). Counted per decode step of the runner, sampling excluded (one argmax, then the
-step's one device-to-host copy).
+step's one device-to-host copy; on the graph path the argmax of these greedy steps is in the
+graph, and counted).
 
 Before issue 14 (torch's pointwise chains, a store kernel; page tables and metadata from Python
 lists in 8 pageable copies, which do not show on the CPU), counted the same way on that code
 (0644151): 1,122 per decode step, 60 Triton launches and 1,062 torch ops (37 per layer). Now:
-eagerly 308 (10 per layer: 5 Triton, 5 torch; and 8 once); the graph path 338 (the keys of its
-few sequences split: a combine per layer), of which all but 4 (the two staging copies, lm_head,
-the cast of the logits) are the forward that CUDA replays as one graph: 5 launches a step.
+eagerly 308 (10 per layer: 5 Triton, 5 torch; and 8 once); the graph path 339 (the keys of its
+few sequences split: a combine per layer; the greedy argmax), of which all but the two staging
+copies are the forward, lm_head and argmax that CUDA replays as one graph: 3 launches a step.
 """
 
 from __future__ import annotations
@@ -102,10 +103,12 @@ def test_launches_per_decode_step(monkeypatch, cuda_graphs):
         # Per layer: the four projections and the residual add; once: lm_head, the embedding
         # and the sampled rows (index), the page table gathered (index_select), one staging
         # copy per dtype (copy_), the logits to float32 (to); new page-table entries only when
-        # a sequence enters a new page (index_put_; not in these steps).
+        # a sequence enters a new page (index_put_; not in these steps). The graph path: these
+        # greedy steps' argmax in the graph (eagerly it is the sampler's, not counted).
         assert dict(ops) == {"linear": 4 * LAYERS + 1, "add_": LAYERS, "index": 2,
-                             "index_select": 1, "copy_": 2, "to": 1}, ops
+                             "index_select": 1, "copy_": 2, "to": 1,
+                             **({"argmax": 1} if cuda_graphs else {})}, ops
         total = sum(triton.values()) + sum(ops.values())
-        assert total == (11 if split else 10) * LAYERS + 8
+        assert total == (11 * LAYERS + 9 if split else 10 * LAYERS + 8)
         print(f"decode step ({'graph path, eagerly' if cuda_graphs else 'eager'}): "
               f"{sum(triton.values())} Triton launches + {sum(ops.values())} torch ops = {total}")

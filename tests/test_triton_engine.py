@@ -144,7 +144,7 @@ def test_triton_engine_matches_transformers(dtype: str, scenario: str, monkeypat
     # chunks and decodes in one step: the decodes in their own tile, the chunks' tiles skip them
     assert tiles["decode"] and tiles["skipping decodes"], tiles
     if runner.graphs is not None:  # decode steps through the graphs' static buffers, in groups
-        assert any(cascade for _, cascade in graph_keys), graph_keys
+        assert any(cascade for _, cascade, _ in graph_keys), graph_keys
 
     for i, (out, (tokens, ref)) in enumerate(zip(outs, reference(dtype))):
         assert out.finish_reason in ("stop", "length"), out.error

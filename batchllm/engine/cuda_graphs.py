@@ -1,7 +1,13 @@
 """Decode-only steps replayed as CUDA graphs, one per batch-size bucket (and per whether the step
-has shared-prefix groups), captured the first time a bucket is used, over the step buffers'
-fixed device addresses (step_buffers.py) and the device page table (block_table.py), as
-nano-vllm's capture_cudagraph does. Prefill and mixed steps run eagerly (device_runner.py).
+has shared-prefix groups, and whether it is greedy), captured the first time a bucket is used,
+over the step buffers' fixed device addresses (step_buffers.py) and the device page table
+(block_table.py), as nano-vllm's capture_cudagraph does. Prefill and mixed steps run eagerly
+(device_runner.py); the scheduler admits rows in bursts where graphs replay, so that most steps
+are decode-only (Scheduler.burst).
+
+A greedy step (every row that samples takes the plain argmax) has the lm_head and the argmax in
+its graph: the graph's output is the ids [bucket] int64, the only thing the host reads back; no
+[rows, vocab] logits leave it.
 
 A step of n decodes runs as its bucket's b >= n rows: the n - b padding rows read no keys
 (context length 0), store nothing (slot -1) and are dropped after the forward. Groups are padded
@@ -46,16 +52,19 @@ class DecodeGraphs:
         n = max_num_seqs
         self._arange32 = torch.arange(n + 1, dtype=torch.int32, device=dev)  # cu_q, decode_seqs
         self._arange64 = torch.arange(n, dtype=torch.int64, device=dev)  # sample rows
-        self._graphs: dict[tuple[int, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
+        # (bucket, cascade, greedy) -> the graph and its output
+        self._graphs: dict[tuple[int, bool, bool], tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
-        self.captured: list[tuple[int, bool]] = []  # in capture order
+        self.captured: list[tuple[int, bool, bool]] = []  # in capture order
 
     def bucket(self, n: int) -> int:
         return next(b for b in self.sizes if b >= n)
 
-    def inputs(self, batch: StepBatch, rows: np.ndarray) -> tuple[dict, tuple[int, bool]]:
+    def inputs(self, batch: StepBatch, rows: np.ndarray, greedy: bool
+               ) -> tuple[dict, tuple[int, bool, bool]]:
         """A decode-only step's values for the step buffers, padded to its bucket, and the key
-        of its graph (bucket, has groups). rows [B]: the sequences' device table rows."""
+        of its graph (bucket, has groups, greedy). rows [B]: the sequences' device table rows;
+        greedy: the graph ends in the argmax."""
         n = len(batch.seq_slots)
         b = self.bucket(n)
         pad = (0, b - n)
@@ -74,12 +83,12 @@ class DecodeGraphs:
             values["prefix_lens"] = [*(g.pages * self.page_size for g in batch.groups),
                                      *[0] * (groups - real)]
             values["cu_prefix_q"] = [0, *(g.hi for g in batch.groups), *[b] * (groups - real)]
-        return values, (b, bool(batch.groups))
+        return values, (b, bool(batch.groups), greedy)
 
-    def replay(self, key: tuple[int, bool]) -> torch.Tensor:
+    def replay(self, key: tuple[int, bool, bool]) -> torch.Tensor:
         """The staged step through its bucket's graph (captured on first use) or, with nothing
-        to capture, the same static path eagerly -> hidden states [bucket, H]; the step's rows
-        first, in step order."""
+        to capture, the same static path eagerly -> hidden states [bucket, H], or with greedy
+        the argmax ids [bucket] int64; the step's rows first, in step order."""
         if not self.capture:
             return self._forward(*key)
         if key not in self._graphs:
@@ -88,8 +97,9 @@ class DecodeGraphs:
         graph.replay()
         return hidden
 
-    def _forward(self, b: int, cascade: bool) -> torch.Tensor:
-        """The model over the static buffers' first b rows -> hidden states [b, H]."""
+    def _forward(self, b: int, cascade: bool, greedy: bool) -> torch.Tensor:
+        """The model over the static buffers' first b rows -> hidden states [b, H], or with
+        greedy their argmax ids [b] int64."""
         dev = self.buffers.dev
         meta = StepMetadata(
             slot_mapping=dev["slots"][:b],
@@ -107,10 +117,14 @@ class DecodeGraphs:
             meta.prefix_lens = dev["prefix_lens"][:groups]
             meta.cu_prefix_q = dev["cu_prefix_q"][: groups + 1]
         self.attention.meta = meta
-        return self.model.hidden(dev["ids"][:b], dev["positions"][:b], self.attention,
-                                 self._arange64[:b])
+        hidden = self.model.hidden(dev["ids"][:b], dev["positions"][:b], self.attention,
+                                   self._arange64[:b])  # [b, H]
+        if not greedy:
+            return hidden
+        ids = self.model.greedy(hidden)  # [b] (a fused lm_head argmax), or None: no such kernel
+        return ids if ids is not None else self.model.logits(hidden).argmax(-1)
 
-    def _capture(self, key: tuple[int, bool]) -> None:
+    def _capture(self, key: tuple[int, bool, bool]) -> None:
         # The step's own inputs are already staged: the warm-up (which compiles every kernel
         # outside the capture) computes what the replay recomputes; the capture runs nothing.
         self._forward(*key)

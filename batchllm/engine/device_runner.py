@@ -8,8 +8,9 @@ little host work and as few transfers as the step allows.
   at fixed device addresses (step_buffers.py); nothing here waits for the device. The only
   device-to-host transfer of a step is the sampled ids, in the engine.
 - Decode-only steps are replayed as CUDA graphs per batch-size bucket (cuda_graphs.py; with
-  engine.cuda_graphs, on CUDA); prefill and mixed steps run eagerly, their decodes in the
-  decode tile (ModelOps.tiles_decodes).
+  engine.cuda_graphs, on CUDA); a greedy one ends in the argmax inside its graph and hands back
+  only the ids. Prefill and mixed steps run eagerly, their decodes in the decode tile
+  (ModelOps.tiles_decodes); the scheduler admits rows in bursts so that few steps are mixed.
 - With engine.overlap the next step is planned before this one's sampled ids are read: they
   reach the next step's inputs as placeholders, resolved here on the device (future_tokens.py);
   without it, the engine reads the ids before it plans the next step.
@@ -67,15 +68,16 @@ class DeviceRunner:
 
     def forward_step(self, slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
                      greedy: bool = False, future: FutureTokens | None = None) -> StepOutput:
-        """As ModelRunner.forward_step. greedy: unused, the logits stay on the device. future:
-        placeholders among the ids (< 0) are resolved from it in the staged buffer, on the
-        device."""
+        """As ModelRunner.forward_step. greedy: a decode-only step's graph takes the argmax and
+        returns the ids (StepOutput.tokens, on the device); other steps return the logits.
+        future: placeholders among the ids (< 0) are resolved from it in the staged buffer, on
+        the device."""
         batch = build_batch(slots, counts, wants_logits, self.state, self.page_size,
                             self.cascade)
         rows, index, pages = self.table.update(batch.seq_slots, self.state)
         graph = self.graphs is not None and batch.decode_only
-        values, key = self.graphs.inputs(batch, rows) if graph else (self._inputs(batch, rows),
-                                                                       None)
+        values, key = (self.graphs.inputs(batch, rows, greedy) if graph else
+                       (self._inputs(batch, rows), None))
         values.update(delta_index=index, delta_pages=pages)
         self.buffers.stage(values)
         dev = self.buffers.dev
@@ -86,11 +88,15 @@ class DeviceRunner:
         t0 = time.perf_counter()
         replayed = False
         if graph:
-            hidden = self.graphs.replay(key)
+            out = self.graphs.replay(key)  # [bucket, H], or greedy: [bucket] ids
             replayed = self.graphs.capture
             n = len(batch.seq_slots)
-            hidden = hidden[:n] if len(batch.sample_rows) == n else hidden[
+            out = out[:n] if len(batch.sample_rows) == n else out[
                 torch.from_numpy(batch.sample_rows).to(self.device)]  # rare: a prefix's token
+            if greedy:
+                return StepOutput(None, batch.sampled, batch.prefill_tokens, out,
+                                  time.perf_counter() - t0, replayed)
+            hidden = out
         else:
             hidden = self._eager(batch)
         logits = self.model.logits(hidden)

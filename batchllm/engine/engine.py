@@ -90,6 +90,10 @@ class Engine:
         self._eos = np.array(sorted(loaded.eos_ids), dtype=np.int64)
         self.slots = RowSlots()  # made anew by each generate
         self.overlap = overlap
+        # Where steps replay graphs, rows are admitted in bursts of an eighth of the slots
+        # (Scheduler.burst): most steady-state steps decode-only; elsewhere at every step.
+        graphs = getattr(self.runner, "graphs", None) is not None
+        self.burst = max(1, max_num_seqs // 8) if graphs else 0
 
     def generate(
         self,
@@ -116,7 +120,7 @@ class Engine:
         drawn = StepTokens(slots, self.grammars, self.stopper, self._eos, self.max_model_len)
         users = {int(n): int(c) for n, c in enumerate(plan.node_users)}
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users,
-                          slots)
+                          slots, burst=self.burst)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
         future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device)
         node_logits: dict[int, torch.Tensor] = {}

@@ -1,9 +1,10 @@
 """One `schedule()` per step: which sequences run how many tokens, against a token budget and the
 page pool. Continuous batching: finished sequences leave at once, waiting ones are admitted at
-every step in plan order. When pages run out, the latest admitted sequence is preempted (its
-pages freed, recomputed later). Shared prefixes live in a `PrefixStore` (prefix_store.py): a
-computed prefix keeps its pages until its last dependent is admitted, and each dependent borrows
-them on admission. Ints only: no tensors here.
+every step in plan order (with `burst`, in bursts while the running ones decode: `_admit`).
+When pages run out, the latest admitted sequence is preempted (its pages freed, recomputed
+later). Shared prefixes live in a `PrefixStore` (prefix_store.py): a computed prefix keeps its
+pages until its last dependent is admitted, and each dependent borrows them on admission. Ints
+only: no tensors here.
 """
 
 from __future__ import annotations
@@ -37,6 +38,8 @@ class Scheduler:
     waiting: deque[Request] = field(default_factory=deque)  # hold no pages, computed 0
     prefixes: PrefixStore = field(init=False)  # `node in prefixes`: computed and held
     preemptions: int = 0
+    burst: int = 0  # > 0: while every running sequence decodes, admit only once this many
+    # slots are free (or every waiting one fits): decode-only steps, which a graph replays
 
     def __post_init__(self) -> None:
         self.prefixes = PrefixStore(self.pool, self.page_size)
@@ -156,7 +159,17 @@ class Scheduler:
     def _admit(self, plan: PlanBuilder) -> None:
         """Admit waiting sequences in order while the budget, max_num_seqs and the pages allow;
         the first that does not fit stops admission (a 1% watermark of the pool stays free for
-        the running sequences' decode pages). Skips those whose prefix is still computing."""
+        the running sequences' decode pages). Skips those whose prefix is still computing.
+
+        With `burst`, a step whose running sequences all decode one token admits nothing until
+        `burst` slots are free (or all that wait fit): new rows come in bursts, their prefill
+        in a few mixed steps, and the steps between are decode-only, the steps a CUDA graph
+        replays (cuda_graphs.py). A step already mixed (a prompt's chunk running) admits as
+        usual. vLLM V0's scheduler_delay_factor and SGLang's separate prefill and decode
+        batches trade a little occupancy the same way."""
+        if self.burst and len(plan.counts) and int(plan.counts.max()) == 1 and (
+                self.max_num_seqs - len(self._running) < min(self.burst, len(self.waiting))):
+            return  # a decode-only step, too few slots free for a burst
         watermark = self.pool.num_pages // 100
         scanned = 0
         idx = 0
