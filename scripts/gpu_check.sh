@@ -32,7 +32,10 @@ mkdir -p "$LOG_DIR"
 LOG="$LOG_DIR/gpu_check.log"
 rm -f "$LOG_DIR/stages.json"
 PY=${PYTHON:-$(command -v python || command -v python3)}
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# This tree's code, installed or not (the device gets a copy): the kernels/ folder is the package
+# batchllm_kernels (pyproject's package-dir), reached through a link beside it on the path.
+LINKS=$(mktemp -d) && ln -s "$PWD/kernels" "$LINKS/batchllm_kernels"
+export PYTHONPATH="$PWD:$LINKS${PYTHONPATH:+:$PYTHONPATH}"
 export TRITON_DEFAULT_FP_FUSION=1  # today's default, stated to silence Triton's warning
 WORK=${GPU_CHECK_WORK:-/tmp/batchllm-gpu-check}
 BUDGET=${GPU_CHECK_BUDGET:-400}
