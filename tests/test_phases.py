@@ -66,7 +66,7 @@ def test_the_command_reports_the_phases(tmp_path: Path) -> None:
     assert proc.stdout == ""
     m = json.loads((tmp_path / "out.parquet.metrics.json").read_text())
     check_phases(m, whole)
-    assert m["import_seconds"] > 0.2  # from the process start: the interpreter and torch
+    assert m["import_seconds"] > 0  # counted from the process start (the unit test below)
     assert "profile (seconds)" in proc.stderr
     for phase in (*PHASES, "whole", "start-up"):
         assert f"\n  {phase} " in proc.stderr, phase
