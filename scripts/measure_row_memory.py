@@ -28,14 +28,17 @@ took 42-44 s of CPU against 19 (each step's large blocks mapped and faulted in a
 `--repeat` children per size, their median, and a fit through three sizes rather than the
 difference of two peaks (also printed: bytes_per_extra_row_ends, the issue's first-to-last
 definition); and the CI test (tests/test_row_memory.py) bounds what the driver holds after the
-run with the freed memory given back (`retained`), which repeats within 1 MiB.
+run (`retained` mode: the Python objects and numpy buffers traced by tracemalloc, started after
+the warm-up; the resident set with the freed memory given back is reported beside them, but it
+moves by megabytes from child to child: glibc's heap, transparent huge pages).
 
 The job (issue 27): short templated prompts on a tiny random Llama (tests/hf_reference.py) on the
 CPU, sampled, each row `--max-tokens` tokens with `--logprobs` alternatives, max_num_seqs 64.
 Prints one JSON line per child (rows, wall_s, cpu_s, peak_mib, phases' peaks in MiB), one per
 size (the medians), then the fit: bytes per extra row of the job's peak and of each phase's.
 --sample-every: each child's VmRSS every that many seconds in OUT/ROWS/rss.csv (a long run's
-record: the 1M-row job). `child JOB [1]` is the measuring child itself (1: retained mode).
+record: the 1M-row job). `child JOB [1]` is the measuring child itself (1: retained mode, with
+tracemalloc on during the measured job).
 """
 
 from __future__ import annotations
@@ -49,6 +52,7 @@ import statistics
 import subprocess
 import sys
 import time
+import tracemalloc
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -172,10 +176,13 @@ def child(job: str, retained: bool) -> None:
 
     def after_run() -> None:  # the rows' table, the plan, the writer are alive here
         held["retained_kib"] = retained_kib()
+        held["traced_kib"] = tracemalloc.get_traced_memory()[0] // 1024
 
     _around(batchllm.job, "build_table", peaks, "tokenize", "plan")
     _around(Engine, "generate", peaks, "run", "after_run", after_run if retained else None)
     _around(CheckpointWriter, "finalize", peaks, "write", None)
+    if retained:
+        tracemalloc.start()
     start = time.perf_counter()
     metrics = run_job(job, progress=False)
     peaks.enter("end")
@@ -191,8 +198,9 @@ def measure(job: Path, checkpoint_rows: int = 256, retained: bool = False,
     """Runs the job in a fresh child (a part every `checkpoint_rows` rows); its rows, wall
     seconds, peak resident set (peak_kib) and each phase's (phases_kib). retained: also the
     resident set the moment the engine returns, after the freed memory is given back
-    (retained_kib: the table of rows, the plan, the writer and whatever else the driver
-    keeps; the peaks that follow are then not the job's own). sample_every: the child's
+    (retained_kib), and the Python objects and numpy buffers alive then (traced_kib, by
+    tracemalloc: the table of rows, the plan, the writer and whatever else the driver keeps;
+    the peaks that follow are then not the job's own). sample_every: the child's
     VmRSS every that many seconds, appended to rss.csv beside the job (seconds, MiB)."""
     env = {**os.environ, "BATCHLLM_CHECKPOINT_ROWS": str(checkpoint_rows),
            "PYTHONHASHSEED": "0"}  # sets' and dicts' orders, hence allocations, run to run
