@@ -87,6 +87,7 @@ def test_run_writes_output_in_input_order_with_metrics(tmp_path: Path) -> None:
     assert over.returncode == 0, over.stderr
 
 
+@pytest.mark.slow  # the whole command in a process of its own
 def test_error_rows_give_exit_code_3(tmp_path: Path) -> None:
     job = write_job(tmp_path, {"prompt": ["Hello there.", None, "  ", "Bye."],
                                "temperature": [0.0, 0.0, 0.0, -2.0]})
@@ -167,6 +168,7 @@ def test_kv_cache_too_small_for_one_request_is_reported_before_the_run(tmp_path)
     assert not (tmp_path / "out" / "result.parquet").exists()
 
 
+@pytest.mark.slow  # the whole command in a process of its own
 def test_unexpected_failure_is_one_line_naming_the_traceback_log(tmp_path: Path) -> None:
     job = ops_job(tmp_path, "run")
     log = tmp_path / "run" / "out.parquet.error.log"

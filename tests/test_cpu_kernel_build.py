@@ -45,6 +45,7 @@ def cache() -> PagedAttention:
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.slow  # builds the C kernels afresh (a compiler run)
 def test_built_once_into_the_cache_and_used(fresh_load):
     assert all(load() is not None for load in LOADERS)
     built = sorted((fresh_load / "kernels").glob("cpu_*.so"))
@@ -82,6 +83,7 @@ def test_switched_off(fresh_load, monkeypatch):
     assert cache().ops.gathers_decodes and cache().ops.gathers_chunks
 
 
+@pytest.mark.slow  # builds the C kernels afresh (a compiler run)
 def test_loading_the_kernels_keeps_subnormal_floats():
     """The C kernels are built with -ffast-math; loading them must not switch the process to
     flush-to-zero (GCC's crtfastmath.o did, for torch's and numpy's float ops too)."""
@@ -127,6 +129,7 @@ def _reload() -> None:
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.slow  # builds the C kernels afresh (a compiler run)
 def test_a_planted_library_is_never_loaded(fresh_load, monkeypatch, capsys):
     """A library planted under the exact name a build would take: in a world-writable shared
     cache it is not loaded (nothing is: the torch path runs, said once for all libraries); in
@@ -168,6 +171,7 @@ def test_with_nowhere_safe_to_build_the_torch_path_runs(fresh_load, monkeypatch,
 
 
 @pytest.mark.skipif(shutil.which("cc") is None, reason="no C compiler here")
+@pytest.mark.slow  # builds the C kernels afresh (a compiler run)
 def test_without_torchs_openmp_the_kernels_build_on_one_thread_and_say_so(
         fresh_load, monkeypatch, capsys):
     monkeypatch.setattr(cpu_build, "_torch_omp", lambda: None)

@@ -152,7 +152,7 @@ def test_greedy_matches_with_the_torch_twins(sharing: bool, monkeypatch) -> None
         assert_tokens_match(out.token_ids, tokens, gaps, row=i)
 
 
-@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+@pytest.mark.parametrize("kind", ["llama", pytest.param("qwen2", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("sharing", [True, False])
 @pytest.mark.parametrize("page_size", [1, 16])
 def test_greedy_matches_under_preemption(kind: str, sharing: bool, page_size: int) -> None:

@@ -51,6 +51,7 @@ def test_blocks_of_a_written_file_under_their_hf_names(tmp_path):
         BlockWeight.cat([got[names[0]], got[names[1]]])
 
 
+@pytest.mark.slow  # reads the real SmolLM2 model
 def test_the_default_models_blocks_are_its_converted_weights():
     """SmolLM2's Q4_1 file: every projection of two layers and the tied lm_head (Q8_0), read
     as blocks and dequantized, equal the folder transformers converted, bit for bit."""

@@ -70,9 +70,11 @@ DECODE = [(1, 1, 0), (1, 17, 0), (1, 37, 0), (1, 129, 0), (1, 129, 100), (1, 37,
 
 def grid(variants, on_interpreter):
     """dtype x page size x GQA ratio x head size x variant; the interpreter (slow) runs only
-    the cases where on_interpreter(dtype, page_size, d, variant) is true."""
+    the cases where on_interpreter(dtype, page_size, d, variant) is true, and the fast lane
+    (README: Run the tests) only those of head size 64 there."""
     return [
-        pytest.param(dtype, ps, gqa, d, var, id=f"{dtype}-ps{ps}-gqa{gqa}-d{d}-{var}")
+        pytest.param(dtype, ps, gqa, d, var, id=f"{dtype}-ps{ps}-gqa{gqa}-d{d}-{var}",
+                     marks=[pytest.mark.slow] if not CUDA and d == 128 else [])
         for dtype in DTYPES for ps in (1, 16) for gqa in (1, 3) for d in (64, 128)
         for var in variants
         if CUDA or on_interpreter(dtype, ps, d, var)

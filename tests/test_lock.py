@@ -78,6 +78,7 @@ def _wait_for_lock(out: Path, procs: list[subprocess.Popen]) -> subprocess.Popen
     raise AssertionError("no run took the lock")
 
 
+@pytest.mark.slow  # two commands in processes of their own
 def test_two_runs_of_one_output_one_runs_the_other_exits_2(tmp_path):
     job = ops_job(tmp_path, "run")
     out = tmp_path / "run" / "out.parquet"

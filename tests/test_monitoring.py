@@ -23,6 +23,8 @@ LINE = re.compile(r"batchllm: progress (\d+)/60 rows \(\d+\.\d%\), \d+\.\d out t
                   r"left (~\d+:\d\d:\d\d|\?)")
 EVERY = 0.1  # --progress-every
 
+pytestmark = pytest.mark.slow  # the whole command in a process of its own
+
 # The CLI paced by its parts: after each part it sleeps EVERY (so the run spans a progress
 # interval per part, whatever the machine's pace); after the first, it writes the flag file and
 # waits for the release file (the test reads the live Prometheus file meanwhile).

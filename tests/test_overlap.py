@@ -88,7 +88,8 @@ SETTINGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(SETTINGS))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
+                                  if n == "preemption_no_sharing" else n for n in SETTINGS])
 def test_same_rows_with_overlap(name: str) -> None:
     m = assert_same(**SETTINGS[name])
     if name == "sharing":
@@ -198,6 +199,7 @@ def test_same_rows_with_overlap_on_the_triton_path(monkeypatch) -> None:
     assert got[1][1] and not got[0][1]
 
 
+@pytest.mark.slow  # the fast lane keeps the grid's preemption case above
 def test_a_row_stopped_once_preempted_gives_its_prefix_pin_back(monkeypatch) -> None:
     """With overlap a stop is read one step late; a row preempted in that step finishes from
     the waiting queue, and the pin its preemption took on its shared prefix must go too (it

@@ -17,6 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 THEIRS = '"""Stands for Hugging Face\'s kernels: a regular package named kernels."""\nWHOSE = 1\n'
 
 
+@pytest.mark.slow  # Python in a process of its own
 def test_a_kernels_package_later_on_the_path_beats_our_folder(tmp_path: Path) -> None:
     """From the repository root, `import kernels` finds an installed kernels package (here one
     on PYTHONPATH, after the cwd), while ours imports as batchllm_kernels from this tree. With

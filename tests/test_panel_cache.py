@@ -170,8 +170,9 @@ def _old_fields(header: dict) -> None:
     header["entries"][0].update(parts=None, planes=None, blocks=None)  # format 2's entries
 
 
-@pytest.mark.parametrize("edit", [_second_bias_added, _last_panels_dropped, _last_shape_wider,
-                                  _old_fields])
+# the fast lane (README: Run the tests) keeps the first case of each kind of damage
+@pytest.mark.parametrize("edit", [_second_bias_added, *(pytest.param(e, marks=pytest.mark.slow)
+                                  for e in (_last_panels_dropped, _last_shape_wider, _old_fields))])
 def test_recorded_entries_that_do_not_place_the_data_are_rebuilt(
         folder: Path, packs: list[int], edit) -> None:
     assert load(folder).panel_cache == "written"
@@ -275,7 +276,8 @@ def _empty(path: Path) -> None:
     path.write_bytes(b"")
 
 
-@pytest.mark.parametrize("damage", [_truncate, _flip_header, _flip_magic, _empty])
+@pytest.mark.parametrize("damage", [_truncate, *(pytest.param(d, marks=pytest.mark.slow)
+                                    for d in (_flip_header, _flip_magic, _empty))])
 def test_damaged_file_is_rebuilt_not_trusted(folder: Path, packs: list[int], damage) -> None:
     assert load(folder).panel_cache == "written"
     damage(the_file(folder))

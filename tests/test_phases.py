@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
+import pytest
 from hf_reference import tiny_model_folder
 
 from batchllm.engine.metrics import PHASES, Phases, phase_report, process_started
@@ -56,6 +57,7 @@ def check_phases(m: dict, whole: float) -> None:
     assert m["startup_seconds"] + m["write_seconds"] <= m["process_seconds"] + EPS
 
 
+@pytest.mark.slow  # the whole command in a process of its own
 def test_the_command_reports_the_phases(tmp_path: Path) -> None:
     job = write_job(tmp_path)
     start = time.perf_counter()
