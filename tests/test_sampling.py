@@ -140,3 +140,33 @@ def test_vectorised_uniforms_are_the_scalar_ones_bit_for_bit() -> None:
     counters = [(i * 7919) % 100_003 for i in range(len(keys))]
     got = uniforms(np.array(keys, dtype=np.uint64), np.array(counters, dtype=np.int64))
     assert got.tolist() == [uniform(k, c) for k, c in zip(keys, counters)]
+
+
+def test_row_chunks_give_the_whole_batchs_tokens_and_logprobs_bit_for_bit(monkeypatch) -> None:
+    """On the CPU sample_ids and token_logprobs work in row chunks (sampler.row_chunks): the
+    same bits as the batch in one piece, for greedy, plain, top-k and top-p rows mixed, with
+    chunks of 3 rows against one of 40 (a wrong chunk's temperature, key or row index fails)."""
+    from batchllm.engine import sampler
+
+    rows, vocab = 40, 1000
+    logits = torch.from_numpy(np.random.default_rng(5).standard_normal((rows, vocab))
+                              .astype(np.float32) * 4)
+    i = np.arange(rows)
+    temperature = np.where(i % 4 == 0, 0.0, 0.5 + (i % 3) * 0.4)
+    top_k, top_p = np.where(i % 3 == 1, 20, 0), np.where(i % 5 == 2, 0.8, 1.0)
+    keys, counters = np.asarray([row_key(3, r) for r in i], np.uint64), i * 7
+
+    def both(chunk_bytes: int):
+        monkeypatch.setattr(sampler, "_CPU_CHUNK_BYTES", chunk_bytes)
+        ids = sample_ids(logits, temperature, top_k, top_p, keys, counters)
+        return ids, sampler.token_logprobs(logits, temperature, ids, [5] * rows).arrays()
+
+    assert len(sampler.row_chunks(rows, vocab, logits.device)) == 1
+    ids_whole, lp_whole = both(1 << 30)
+    monkeypatch.setattr(sampler, "_CPU_CHUNK_BYTES", 3 * 8 * vocab)
+    assert len(sampler.row_chunks(rows, vocab, logits.device)) == 14
+    ids_chunked, lp_chunked = both(3 * 8 * vocab)
+    assert torch.equal(ids_whole, ids_chunked)
+    for a, b in zip(lp_whole, lp_chunked):
+        assert np.array_equal(a, b)
+    assert len(set(ids_whole.tolist())) > rows // 2  # the draws vary: not one token throughout
