@@ -162,6 +162,7 @@ def test_row_chunks_give_the_whole_batchs_tokens_and_logprobs_bit_for_bit(monkey
         return ids, sampler.token_logprobs(logits, temperature, ids, [5] * rows).arrays()
 
     assert len(sampler.row_chunks(rows, vocab, logits.device)) == 1
+    assert sampler.row_chunks(0, vocab, logits.device) == []  # an empty group: nothing to run
     ids_whole, lp_whole = both(1 << 30)
     monkeypatch.setattr(sampler, "_CPU_CHUNK_BYTES", 3 * 8 * vocab)
     assert len(sampler.row_chunks(rows, vocab, logits.device)) == 14

@@ -66,10 +66,10 @@ def filtered_probs(
 
 
 def row_chunks(rows: int, vocab: int, device: torch.device) -> list[slice]:
-    """Slices of range(rows): on the CPU each of at most _CPU_CHUNK_BYTES of [rows, vocab]
-    float64 (at least one row); elsewhere one."""
+    """Slices of range(rows), none when rows is 0: on the CPU each of at most _CPU_CHUNK_BYTES
+    of [rows, vocab] float64 (at least one row); elsewhere one."""
     if device.type != "cpu":
-        return [slice(0, rows)]
+        return [slice(0, rows)] if rows else []
     step = max(1, _CPU_CHUNK_BYTES // (8 * vocab))
     return [slice(i, min(i + step, rows)) for i in range(0, rows, step)]
 
