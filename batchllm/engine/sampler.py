@@ -9,7 +9,7 @@ On the CPU the rows are sampled and scored in chunks whose float64 copy of the v
 under _CPU_CHUNK_BYTES: every step over [rows, vocab] then works in cache and in heap memory
 glibc reuses, where the whole batch's temporaries (50-100 MB each at 256 rows x 49,152 tokens,
 above engine/cpu_allocator.py's 32-MiB mmap threshold) were mapped and faulted in afresh by every
-operation: sampling 256 rows took 166 ms a step whole and 20 ms in chunks of 16 on 2 cores. Each
+operation: sampling 256 rows took 166 ms a step whole and 30 ms in chunks of 10 on 2 cores. Each
 row's operations see only its own row, so its values, bit for bit, do not depend on the chunks
 (tests/test_sampling.py: batch invariance). On CUDA: one chunk.
 """
