@@ -14,6 +14,7 @@ from batchllm.model.hf_cache import load_config
 from batchllm.model.loader import job_model, model_len_limit
 from batchllm.model.resolve import resolve_model
 from batchllm.model.rotary import head_dim_of
+from batchllm.plan.peak_pages import predict_peak_pages
 from batchllm.rows.build import build_rows
 from batchllm.rows.reader import read_input
 from batchllm.scale.assign import describe, job_plan, partition_job, partitioned, shard_job
@@ -51,8 +52,8 @@ def plan_job(job: str, overrides: list[str], devices: str | None = None,
         "sharing_ratio": f"{s['sharing_ratio']:.3f}",
         "groups": s["groups"],
         "levels": s["levels"],
-        "predicted_peak_kv_pages": plan.predict_peak_pages(
-            cfg.engine.page_size, cfg.engine.max_num_seqs),
+        "predicted_peak_kv_pages": predict_peak_pages(
+            plan, cfg.engine.page_size, cfg.engine.max_num_seqs),
         "page_size": cfg.engine.page_size,
     }
     memory, pages = memory_report(cfg, devices)

@@ -18,6 +18,7 @@ import time
 import numpy as np
 
 from batchllm.plan.arrays import concat_ranges
+from batchllm.plan.peak_pages import predict_peak_pages
 from batchllm.plan.planner import make_plan
 from batchllm.plan.tree import PrefixTree
 
@@ -101,7 +102,7 @@ def main() -> None:
     clock.append((time.perf_counter(), time.process_time()))
     plan = make_plan(tree, max_tokens, prefix_sharing=True, order="prefix-tree")
     clock.append((time.perf_counter(), time.process_time()))
-    peak_pages = plan.predict_peak_pages(args.page_size, args.max_num_seqs)
+    peak_pages = predict_peak_pages(plan, args.page_size, args.max_num_seqs)
     clock.append((time.perf_counter(), time.process_time()))
     hwm = _rss_mib("VmHWM")
     stats = plan.stats()

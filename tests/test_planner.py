@@ -10,6 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from batchllm.plan.peak_pages import predict_peak_pages
 from batchllm.plan.planner import PREFIX, Plan, make_plan
 from batchllm.plan.tree import PrefixTree
 
@@ -131,8 +132,8 @@ def test_exact_small_plan():
                             "groups": 2, "levels": 2}
     # rows run t=0..5 as 4, 2, 3, 0, 1, 5 with own pages 3, 2, 2, 4, 2, 2 (page size 2);
     # nodes 0 (1 page) and 1 (2 pages) live from t=1 to t=5: peak at t=3: 2 + 4 + 3
-    assert plan.predict_peak_pages(page_size=2, max_num_seqs=2) == 9
-    assert plan.predict_peak_pages(page_size=2, max_num_seqs=100) == 3 + 2 + 2 + 4 + 2 + 2 + 3
+    assert predict_peak_pages(plan, page_size=2, max_num_seqs=2) == 9
+    assert predict_peak_pages(plan, page_size=2, max_num_seqs=100) == 3 + 2 + 2 + 4 + 2 + 2 + 3
 
 
 def test_input_order_and_sharing_off():
@@ -145,7 +146,7 @@ def test_input_order_and_sharing_off():
     assert plan_items(off) == [("r", r) for r in (4, 2, 3, 0, 1, 5)]
     assert off.stats()["predicted_prefill_tokens"] == 19 and off.stats()["groups"] == 0
     # full prompt + max_tokens pages per row: 3, 3, 3, 5, 3, 2 in that order, two at a time
-    assert off.predict_peak_pages(page_size=2, max_num_seqs=2) == 8
+    assert predict_peak_pages(off, page_size=2, max_num_seqs=2) == 8
     off_in = make_plan(arrays(SMALL), SMALL_MAX, prefix_sharing=False, order="input")
     assert plan_items(off_in) == [("r", r) for r in range(6)]
 
@@ -184,7 +185,7 @@ def test_empty_and_degenerate_jobs():
     empty = make_plan([], [])
     empty.check()
     make_plan([], [], order="input").check()
-    assert empty.stats()["rows"] == 0 and empty.predict_peak_pages(16, 4) == 0
+    assert empty.stats()["rows"] == 0 and predict_peak_pages(empty, 16, 4) == 0
     same = make_plan(arrays([[4, 4]] * 3 + [[]]), 2)
     same.check()
     assert same.node_end.tolist() == [2] and same.node_terminal.tolist() == [3]
