@@ -146,3 +146,54 @@ def test_a_stop_ending_in_a_space_is_found_where_a_metaspace_token_adds_it() -> 
         want = _reference(tok, out, sp)
         assert want[2] == "stop"
         assert _feed(StopChecker(tok, {1}, 100_000), out, sp) == want, stops
+
+
+class _CountingTokenizer:
+    """The tokenizer, counting its calls to batch_decode."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer, self.batches = tokenizer, 0
+
+    def decode(self, ids, skip_special_tokens=False):
+        return self.tokenizer.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def batch_decode(self, seqs, skip_special_tokens=False):
+        self.batches += 1
+        return self.tokenizer.batch_decode(seqs, skip_special_tokens=skip_special_tokens)
+
+
+@pytest.mark.parametrize("batch_decode", [False, True], ids=["row-by-row", "batched"])
+def test_rows_checked_together_stop_where_each_alone_would(tokenizer, batch_decode) -> None:
+    """48 rows fed in lockstep and checked in one check_many a step, as the engine does: the
+    tokenizer's batch decode (on GPU hosts) or one decode per row (the CPU path, where the
+    forward's threads hold the cores) gives each row the step, text and reason of a whole
+    search."""
+    rng = random.Random(1)
+    counting = _CountingTokenizer(tokenizer)
+    checker = StopChecker(counting, {EOS}, 100_000, batch_decode=batch_decode)
+    pool = tokenizer.encode("Clause 7(b): the tenant pays 3 € a day.\n\n" * 3,
+                            add_special_tokens=False)
+    outs, seqs, want = [], [], []
+    for key in range(48):
+        out = [rng.choice(pool) for _ in range(rng.randint(20, 60))]
+        text = tokenizer.decode(out, skip_special_tokens=True)
+        a = rng.randrange(len(text))
+        sp = SamplingParams(max_tokens=len(out), stop=[text[a : a + rng.randint(2, 6)]],
+                            ignore_eos=True)
+        outs.append(out)
+        seqs.append(Request(Kind.ROW, key, [1, 3, 5], 3, sampling=sp))
+        want.append(_reference(tokenizer, out, sp))
+    got = [None] * len(seqs)
+    running = list(range(len(seqs)))
+    for k in range(1, 61):
+        for i in running:
+            seqs[i].append(outs[i][k - 1])
+        done = checker.check_many([seqs[i] for i in running])
+        for i, d in zip(list(running), done):
+            if d:
+                got[i] = (k, checker.final_text(seqs[i]), seqs[i].finish_reason)
+                running.remove(i)
+        if not running:
+            break
+    assert got == want
+    assert (counting.batches > 0) == batch_decode

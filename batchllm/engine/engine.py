@@ -82,7 +82,8 @@ class Engine:
         )
         self.runner = make_runner(loaded.model, self.attention, page_size, prefix_sharing,
                                   max_num_seqs, max_batched_tokens, max_model_len, cuda_graphs)
-        self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len)
+        self.stopper = StopChecker(loaded.tokenizer, loaded.eos_ids, max_model_len,
+                                   batch_decode=loaded.model.embed.device.type != "cpu")
         self.grammars = Grammars(loaded.tokenizer, loaded.eos_ids, shape.vocab_size)
         self.num_pages = num_pages
         self.bytes_per_token = shape.kv_bytes_per_token(kv_dtype)
