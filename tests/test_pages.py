@@ -55,6 +55,29 @@ def test_share_and_release_count_references() -> None:
     pool.check()
 
 
+def test_several_holders_released_at_once_free_in_the_order_one_by_one_would() -> None:
+    """Rows under one prefix each hold its shared pages and their own: their pages released in
+    one call (the scheduler's finish_many) leave the same counts, shared count and free stack
+    as the holders released one after another; here pages 0-1 are shared by three holders:
+    the last one's release frees them, then its own pages 4-5 (the stack's top)."""
+    holders = [[0, 1, 2], [0, 1, 3], [0, 1, 4, 5]]
+    pools = [PagePool(8), PagePool(8)]
+    for pool in pools:
+        assert pool.allocate(6) == [0, 1, 2, 3, 4, 5]
+        pool.share([0, 1])
+        pool.share([0, 1])
+    for pages in holders:
+        pools[0].release(pages)
+    pools[1].release([p for pages in holders for p in pages])
+    one_by_one, at_once = pools
+    assert at_once.refs == one_by_one.refs == [0] * 8
+    assert at_once.num_shared == one_by_one.num_shared == 0
+    assert at_once.allocate(8) == one_by_one.allocate(8) == [5, 4, 1, 0, 3, 2, 6, 7]
+    for pool in pools:
+        pool.release(list(range(8)))
+        pool.check()
+
+
 def test_peak_used_is_the_high_water_mark() -> None:
     pool = PagePool(5)
     pool.allocate(3)
@@ -85,7 +108,7 @@ def test_check_catches_a_double_free() -> None:
     pool.allocate(2)
     pool.release([1])
     pool.check()
-    pool._push_free(1)  # what a second free that skipped the count would leave
+    pool._push_free([1])  # what a second free that skipped the count would leave
     with pytest.raises(AssertionError, match="twice in the free list"):
         pool.check()
 
@@ -93,7 +116,7 @@ def test_check_catches_a_double_free() -> None:
 def test_check_catches_a_used_page_on_the_free_list() -> None:
     pool = PagePool(3)
     pool.allocate(2)
-    pool._push_free(0)  # page 0 still has a reference
+    pool._push_free([0])  # page 0 still has a reference
     with pytest.raises(AssertionError, match="page 0: refs 1, free True"):
         pool.check()
 

@@ -152,7 +152,9 @@ class Engine:
                     slots.computed[step.slots] + step.counts == slots.total[step.slots])
                 # every sampling row greedy and plain: the lm_head may hand back the argmax
                 greedy = not step.from_prefix and bool(slots.greedy[step.slots[wants]].all())
-                out = self.runner.forward_step(step.slots, step.counts, wants, greedy, future)
+                # without overlap every id is read before the next step: no placeholders
+                out = self.runner.forward_step(step.slots, step.counts, wants, greedy,
+                                               future if self.overlap else None)
                 stats.prefill_tokens += out.prefill_tokens
                 stats.steps_replayed += out.replayed
                 forward_seconds = out.forward_seconds
@@ -166,7 +168,7 @@ class Engine:
             sched.step_done(step)
             issued = None
             if out is not None and out.tokens is not None:
-                issued = future.issue(out.tokens), None
+                issued = future.issue(out.tokens, keep=self.overlap), None
             elif step.from_prefix:
                 idx = np.concatenate([idx, [s.slot for s in step.from_prefix]]).astype(np.int64)
                 logits = torch.stack([*(logits if logits is not None else []),
@@ -176,7 +178,7 @@ class Engine:
                     drawn.resolve(pending, sched, rows, on_row, stats)  # hold the overlap
                     pending = None
                 tokens, scored = drawn.sample(logits, idx)  # logits [S, V], idx [S]
-                issued = future.issue(tokens), scored
+                issued = future.issue(tokens, keep=self.overlap), scored
             if pending is not None:
                 stats.steps_overlapped += issued is not None  # launched before ids were read
                 drawn.resolve(pending, sched, rows, on_row, stats)

@@ -61,41 +61,63 @@ class PagePool:
         return self.num_pages - self.num_free
 
     def allocate(self, n: int) -> list[int] | None:
-        if n > self.num_free:
+        free = self.num_free
+        if n > free:
             return None
+        refs = self.refs.array
         reused = min(n, self._top)
-        pages = self._stack[self._top - reused:self._top][::-1]
-        self._top -= reused
-        if n > reused:
-            fresh = np.arange(self._fresh, self._fresh + n - reused, dtype=np.int32)
-            self._fresh += n - reused
-            pages = np.concatenate([pages, fresh])
-        self.refs.array[pages] = 1
-        self.peak_used = max(self.peak_used, self.num_used)
-        return pages.tolist()
+        pages: list[int] = []
+        if reused:  # the top of the stack, the last freed first
+            top = self._top
+            got = self._stack[top - reused : top][::-1]
+            refs[got] = 1
+            self._top = top - reused
+            pages = got.tolist()
+        if n > reused:  # then ids never handed out, in order
+            lo, hi = self._fresh, self._fresh + n - reused
+            refs[lo:hi] = 1
+            self._fresh = hi
+            pages += range(lo, hi)
+        self.peak_used = max(self.peak_used, self.num_pages - free + n)
+        return pages
 
     def share(self, pages: list[int]) -> None:
+        """One more reference to each of `pages` (distinct: one holder's), all in use."""
+        if not len(pages):
+            return
+        at = np.asarray(pages, dtype=np.int64)
         refs = self.refs.array
-        for p in pages:
-            assert refs[p] > 0, f"page {p} is free and cannot be shared"
-            refs[p] += 1
-            if refs[p] == 2:
-                self.num_shared += 1
+        now = refs[at]
+        if not now.all():
+            raise AssertionError(f"page {int(at[now == 0][0])} is free and cannot be shared")
+        refs[at] = now + 1
+        self.num_shared += int(np.count_nonzero(now == 1))
         self.peak_shared = max(self.peak_shared, self.num_shared)
 
-    def release(self, pages: list[int]) -> None:
+    def release(self, pages: np.ndarray | list[int]) -> None:
+        """One reference fewer for each entry of `pages`, as if released one by one in that
+        order (a page may repeat: several holders' pages at once); a page whose count reaches 0
+        goes on the free stack then, so the freed pages are stacked in the order of their last
+        entries."""
+        at = np.asarray(pages, dtype=np.int64)
+        if not len(at):
+            return
         refs = self.refs.array
-        for p in pages:
-            assert refs[p] > 0, f"page {p} released more often than referenced"
-            refs[p] -= 1
-            if refs[p] == 1:
-                self.num_shared -= 1
-            elif refs[p] == 0:
-                self._push_free(p)
+        # distinct pages, each one's last entry (its first in the reversed list), and entries
+        ids, first_back, times = np.unique(at[::-1], return_index=True, return_counts=True)
+        before = refs[ids]
+        after = before - times
+        if after.min() < 0:
+            raise AssertionError(
+                f"page {int(ids[after < 0][0])} released more often than referenced")
+        refs[ids] = after
+        self.num_shared -= int(np.count_nonzero((before > 1) & (after <= 1)))
+        freed = after == 0
+        self._push_free(ids[freed][np.argsort(-first_back[freed])])
 
-    def _push_free(self, page: int) -> None:
-        self._stack[self._top] = page
-        self._top += 1
+    def _push_free(self, pages: np.ndarray | list[int]) -> None:
+        self._stack[self._top : self._top + len(pages)] = pages
+        self._top += len(pages)
 
     def check(self) -> None:
         """Assert that the free pages (the stack and the ids never handed out) are exactly the

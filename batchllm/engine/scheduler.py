@@ -271,9 +271,17 @@ class Scheduler:
         step late): it leaves `waiting` then, and drops the pin it held on its prefix."""
         if not seqs:
             return
+        st = self.state
+        slots = np.fromiter((seq.slot for seq in seqs), np.int64, len(seqs))  # [F]
+        held = st.num_pages[slots]  # [F]
+        # one release for all their pages, in the order releases one by one would take
+        rows = np.repeat(slots, held)  # [P]
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(held) - held, held)  # [P]
+        self.pool.release(st.table[rows, cols])
+        st.num_pages[slots] = st.borrowed[slots] = 0  # as _release, for all
+        st.renewed[slots] = True
         late = []
         for seq in seqs:
-            self._release(seq)
             if self._running.pop(seq.slot, None) is None:
                 late.append(id(seq))
                 if seq.parent >= 0:  # the pin its preemption took (it will not attach again)

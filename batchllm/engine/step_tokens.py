@@ -103,8 +103,12 @@ class StepTokens:
         tokens = values[pending.index]  # [L]
         slots.out[sl, pending.generated - 1] = tokens
         slots.total[sl[pending.last]] += 1  # appended now: no placeholder was
-        eos = slots.eos_stops[sl] & (tokens[:, None] == self.eos).any(axis=1)  # [L]
-        # (np.isin costs ~0.1 ms a call)
+        eos = slots.eos_stops[sl]  # [L]: rows an end of sequence stops, then those it did
+        if eos.any():  # one comparison per id (np.isin: ~0.1 ms; [L, E].any(axis=1): ~13 us)
+            hit = np.zeros(len(tokens), dtype=bool)
+            for e in self.eos.tolist():
+                hit |= tokens == e
+            eos &= hit
         maybe = slots.checked[sl] | pending.last | eos  # [L]
         # rows checked for their stop strings alone, whose token cannot end one: no check
         plain = np.flatnonzero(maybe & ~(slots.constrained[sl] | pending.last | eos))
