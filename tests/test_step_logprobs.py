@@ -54,10 +54,11 @@ def test_records_are_the_tensors_values() -> None:
     log = LogprobLog(slots, capacity=2)  # compacted to make room
     log.add(step, np.arange(4), np.array(taken), np.zeros(4, dtype=np.int64))
     assert step._tensors is None
+    records = log.take(np.array(taken), np.ones(4, dtype=np.int64), np.array([5, 5, 5, 2]))
     for i, k in enumerate([5, 5, 5, 2]):
-        (rec,) = log.take(taken[i], 1, k)
+        (rec,) = records[i]
         top_lp, top_id = lp[i].topk(k)
         want = [(t, v) for t, v in zip(top_id.tolist(), top_lp.tolist()) if v != float("-inf")]
         assert rec.token_id == int(tokens[i]) and rec.logprob == lp[i, tokens[i]].item()
         assert rec.top == want
-    assert len(log.take(taken[2], 1, 5)[0].top) == 3
+    assert len(records[2][0].top) == 3

@@ -43,11 +43,19 @@ class LogprobLog:
         self.size = hi
         self.slots.lp_at[slots, at] = lo + rows
 
-    def take(self, slot: int, count: int, k: int) -> TokenLogprobs:
-        """The records of the row at `slot`: its first `count` tokens, top k each."""
-        refs = self.slots.lp_at[slot, :count]
-        return TokenLogprobs(self.token_id[refs], self.logprob[refs], self.top_id[refs, :k],
-                             self.top_lp[refs, :k])
+    def take(self, slots: np.ndarray, counts: np.ndarray, ks: np.ndarray) -> list[TokenLogprobs]:
+        """The records of the rows at slots [F] (those finishing in a step): row i's first
+        counts[i] tokens, top ks[i] each; gathered in one go, each row's arrays views of them."""
+        ends = np.cumsum(counts)  # [F]
+        starts = ends - counts
+        rows = np.repeat(slots, counts)  # [T]
+        refs = self.slots.lp_at[rows, np.arange(len(rows)) - np.repeat(starts, counts)]
+        kmax = int(ks.max()) if len(ks) else 0
+        token_id, logprob = self.token_id[refs], self.logprob[refs]  # [T]
+        top_id, top_lp = self.top_id[refs, :kmax], self.top_lp[refs, :kmax]  # [T, kmax]
+        return [TokenLogprobs(token_id[lo:hi], logprob[lo:hi], top_id[lo:hi, :k],
+                              top_lp[lo:hi, :k])
+                for lo, hi, k in zip(starts.tolist(), ends.tolist(), ks.tolist())]
 
     def _compact(self, incoming: int) -> None:
         """Keep the records that held rows still point to, then room for `incoming` more."""

@@ -128,14 +128,17 @@ class StepTokens:
         if not done:
             return
         texts = iter(self.stopper.final_texts([seq for seq, broke in done if not broke]))
+        scored = np.array([seq.slot for seq, broke in done
+                           if not broke and seq.sampling.logprobs], dtype=np.int64)  # [F]
+        held = slots.total[scored] - slots.num_prompt[scored]  # [F] each one's num_generated
+        records = iter(self.log.take(scored, held, slots.logprobs[scored]))
         for seq, broke in done:
             row = rows[seq.key]  # (a RowTable makes a Row each time it is indexed)
             if broke:  # cannot happen with the mask applied; an error row, not a crash
                 row.fail(f"structured output: {seq.matcher.get_error()}")
             else:
-                k = seq.sampling.logprobs
                 row.finish(seq.output_ids, next(texts), seq.finish_reason, seq.cached_tokens,
-                           self.log.take(seq.slot, seq.num_generated, k) if k else None)
+                           next(records) if seq.sampling.logprobs else None)
             slots.finished[seq.slot] = True
             stats.rows_done += 1
             on_row(row)
