@@ -111,8 +111,9 @@ def build_batch(slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
     b = len(slots)
     lo = state.computed[slots]  # [B]
     hi = lo + counts
-    cu_q = np.zeros(b + 1, dtype=np.int32)
-    np.cumsum(counts, out=cu_q[1:])
+    cu_q = np.empty(b + 1, dtype=np.int32)
+    cu_q[0] = 0
+    cu_q[1:] = counts.cumsum()  # (np.cumsum into an int32 `out`: twice the time)
     num_prompt = state.num_prompt[slots]  # [B]
     t = int(cu_q[-1])
     if b and t == b:  # one token a row: positions are the computed counts
@@ -139,7 +140,7 @@ def build_batch(slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
         groups.append(Group(at, at + size, shared))
         kv_start[at : at + size] = shared * ps
         at += size
-    prefill = int(np.maximum(0, np.minimum(hi, num_prompt) - lo).sum())
+    prefill = len(in_prompt)  # the prompt's tokens: those before the generated ones
     return StepBatch(
         seq_slots=slots, counts=counts, ids=ids, positions=positions, slots=cache, cu_q=cu_q,
         context_lens=hi.astype(np.int32), kv_start=kv_start,
