@@ -27,6 +27,8 @@ class Issued(NamedTuple):
     host: torch.Tensor  # [S] int64 on the host (pinned on CUDA, filled by a non-blocking copy)
     event: torch.cuda.Event | None  # recorded after the copy (CUDA only)
     base: int  # index of tokens[0] in FutureTokens.dev: row i's placeholder is -(1 + base + i)
+    kept: bool = True  # in FutureTokens.dev for the next step (False: read before it, no
+    # placeholder written)
 
     def read(self) -> tuple[np.ndarray, float]:
         """The ids [S] int64 on the host and the seconds waited for the device to produce
@@ -49,8 +51,8 @@ class FutureTokens:
     def issue(self, tokens: torch.Tensor, keep: bool = True) -> Issued:
         """Keep a step's sampled ids [S] on the device for the next step and start their copy
         to the host; nothing here waits for the device. keep=False: the ids are read before
-        any forward could meet their placeholders (no overlap), so they are not kept (a
-        copy of ~25 us a step on the CPU)."""
+        the next step is planned (no overlap): not kept on the device, and no placeholders
+        stand for them (StepTokens.attach; ~40 us a step on the CPU, both)."""
         s = tokens.shape[0]
         if s > self.capacity:
             raise ValueError(f"FutureTokens: {s} sampled ids, room for {self.capacity}")
@@ -59,12 +61,12 @@ class FutureTokens:
         if keep:
             self.dev[base : base + s].copy_(tokens)
         if self.device.type != "cuda":
-            return Issued(tokens, tokens, None, base)
+            return Issued(tokens, tokens, None, base, keep)
         host = torch.empty(s, dtype=torch.int64, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return Issued(tokens, host, event, base)
+        return Issued(tokens, host, event, base, keep)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 on the device, placeholders (< 0) swapped for the ids they stand for;

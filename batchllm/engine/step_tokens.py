@@ -80,7 +80,8 @@ class StepTokens:
             slots.num_prompt[sl] + generated >= self.max_model_len)
         slots.widen_out(int(generated.max()))
         go = ~last  # the rest take their token when it is read
-        slots.out[sl[go], generated[go] - 1] = -1 - issued.base - live[go]
+        if issued.kept:  # else read before any step could meet a placeholder
+            slots.out[sl[go], generated[go] - 1] = -1 - issued.base - live[go]
         slots.total[sl[go]] += 1
         stats.completion_tokens += len(sl)
         return Pending(sl, live, generated, last, issued, scored)
