@@ -66,16 +66,16 @@ class BlockTable:
     def _take_rows(self, slots: np.ndarray) -> None:
         """Rows for slots that have none: free ones first, then idle ones, least recently used
         first (their slots lose them)."""
-        free = np.flatnonzero(self._slot_of < 0)
+        free = (self._slot_of < 0).nonzero()[0]
         if len(free) < len(slots):
-            idle = np.flatnonzero((self._slot_of >= 0) & (self._used < self._step))
+            idle = ((self._slot_of >= 0) & (self._used < self._step)).nonzero()[0]
             if len(idle) < len(slots) - len(free):
                 raise RuntimeError("BlockTable: more sequences in one step than rows")
             back = idle[np.argsort(self._used[idle], kind="stable")]
             back = back[: max(len(slots) - len(free), len(idle) // 2)]
             self._row[self._slot_of[back]] = -1
             self._slot_of[back] = -1
-            free = np.flatnonzero(self._slot_of < 0)
+            free = (self._slot_of < 0).nonzero()[0]
         rows = free[: len(slots)]
         self._row[slots] = rows
         self._slot_of[rows] = slots

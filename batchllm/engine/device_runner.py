@@ -108,7 +108,7 @@ class DeviceRunner:
             "ids": batch.ids, "positions": batch.positions, "slots": batch.slots,
             "seq_rows": rows, "sample_rows": batch.sample_rows, "cu_q": batch.cu_q,
             "context_lens": batch.context_lens, "kv_start": batch.kv_start,
-            "decode_seqs": np.flatnonzero(batch.counts == 1),
+            "decode_seqs": (batch.counts == 1).nonzero()[0],
         }
         if batch.groups:
             values["prefix_rows"] = [int(rows[g.lo]) for g in batch.groups]

@@ -126,7 +126,7 @@ class Engine:
         future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device)
         node_logits: dict[int, torch.Tensor] = {}
         # prefixes whose last position's logits rows will sample their first token from
-        terminal = set(np.flatnonzero(plan.node_terminal > 0).tolist())
+        terminal = set((plan.node_terminal > 0).nonzero()[0].tolist())
         kinds, ids = plan.item_kind, plan.item_id  # read as each item enters: no list of all
         cursor = 0
         window = self.max_num_seqs + 128
@@ -159,11 +159,11 @@ class Engine:
                 stats.steps_replayed += out.replayed
                 forward_seconds = out.forward_seconds
                 idx, logits = out.sampled, out.logits
-                prefix = np.flatnonzero(~slots.is_row[idx])
+                prefix = (~slots.is_row[idx]).nonzero()[0]
                 if len(prefix):  # a prefix's logits are kept for the rows under it
                     for i in prefix.tolist():
                         node_logits[slots.owner[int(idx[i])].key] = logits[i]
-                    keep = np.flatnonzero(slots.is_row[idx])
+                    keep = slots.is_row[idx].nonzero()[0]
                     idx, logits = idx[keep], logits[torch.from_numpy(keep)]
             sched.step_done(step)
             issued = None

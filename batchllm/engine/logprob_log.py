@@ -60,7 +60,7 @@ class LogprobLog:
     def _compact(self, incoming: int) -> None:
         """Keep the records that held rows still point to, then room for `incoming` more."""
         st = self.slots
-        held = np.flatnonzero((st.logprobs > 0) & st.held)  # [H]
+        held = ((st.logprobs > 0) & st.held).nonzero()[0]  # [H]
         cols = np.arange(st.lp_at.shape[1])
         mask = cols[None, :] < st.generated[held][:, None]  # [H, W]
         # [R] in row order; the entry of a token whose record is being added is not set yet

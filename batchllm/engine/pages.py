@@ -129,7 +129,7 @@ class PagePool:
         free = np.zeros(self.num_pages, dtype=bool)
         free[stacked] = True
         free[self._fresh:] = True
-        wrong = np.flatnonzero((refs == 0) != free)
+        wrong = ((refs == 0) != free).nonzero()[0]
         if len(wrong):
             p = int(wrong[0])
             raise AssertionError(f"page {p}: refs {int(refs[p])}, free {bool(free[p])}")

@@ -182,7 +182,7 @@ class Runtime:
                 why = grammars.problem(sp)
                 if why is not None:
                     bad[k] = why
-        for k in np.flatnonzero(np.isin(rows.setting, list(bad))).tolist():
+        for k in np.isin(rows.setting, list(bad)).nonzero()[0].tolist():
             rows.errors.setdefault(k, bad[int(rows.setting[k])])
 
     def _check_memory(self, rows: RowTable) -> None:

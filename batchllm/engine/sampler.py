@@ -114,7 +114,7 @@ def sample_ids(
     keys = np.asarray(keys, dtype=np.uint64)
     counters = np.asarray(counters, dtype=np.int64)
     for mask, sort in ((plain, False), (rand & ~plain, True)):
-        group = np.flatnonzero(mask)
+        group = mask.nonzero()[0]
         for part in row_chunks(len(group), vocab, dev):
             rows = group[part]
             idx = torch.from_numpy(rows).to(dev)

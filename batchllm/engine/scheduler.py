@@ -117,7 +117,7 @@ class Scheduler:
         n = np.minimum(rest, left)[taken]  # [B]
         slots = run[taken]  # [B]
         need = -(-(computed[taken] + n) // self.page_size) - st.num_pages[slots]  # [B]
-        short = np.flatnonzero(need > 0)
+        short = (need > 0).nonzero()[0]
         k = need[short]  # [N] pages each of those needs
         if int(k.sum()) > self.pool.num_free:
             return self._schedule_in_turn(plan)

@@ -78,7 +78,7 @@ def cascade_order(slots: np.ndarray, state: RowSlots
     Returns the order (indices into slots; None: no group) and the groups as (members,
     shared pages)."""
     nb = state.borrowed[slots]  # [B]
-    have = np.flatnonzero(nb)
+    have = nb.nonzero()[0]
     if len(have) < 2:
         return None, []
     key = nb[have] * (1 << 32) + state.table[slots[have], nb[have] - 1]
@@ -91,11 +91,11 @@ def cascade_order(slots: np.ndarray, state: RowSlots
     by_group = np.lexsort((members, first[inverse[grouped]]))  # first member, then step order
     members = members[by_group]
     starts = first[inverse[grouped]][by_group]
-    cut = np.flatnonzero(np.diff(starts)) + 1
+    cut = np.diff(starts).nonzero()[0] + 1
     sizes = np.diff(np.concatenate([[0], cut, [len(members)]]))
     rest = np.ones(len(slots), dtype=bool)
     rest[members] = False
-    order = np.concatenate([members, np.flatnonzero(rest)])
+    order = np.concatenate([members, rest.nonzero()[0]])
     shared = nb[members[np.concatenate([[0], cut])]].tolist()
     return order, list(zip(sizes.tolist(), shared))
 
@@ -126,7 +126,7 @@ def build_batch(slots: np.ndarray, counts: np.ndarray, wants_logits: np.ndarray,
     cache = state.table[row_of, positions // ps].astype(np.int64) * ps + positions % ps
     gen = positions - np.repeat(num_prompt, counts) if t != b else lo - num_prompt
     ids = state.out[row_of, np.maximum(gen, 0)]  # [T]: generated ids; prompt ids below
-    in_prompt = np.flatnonzero(gen < 0)
+    in_prompt = (gen < 0).nonzero()[0]
     if len(in_prompt):
         owner = state.owner
         seq_of = np.searchsorted(cu_q, in_prompt, side="right") - 1

@@ -42,7 +42,7 @@ class StepTokens:
         device, not read) and the log-probabilities of the rows that ask for them (with their
         indices into idx). Adds the sampling kernels' seconds to kernel_seconds."""
         slots = self.slots
-        constrained = np.flatnonzero(slots.constrained[idx] & ~slots.finished[idx]).tolist()
+        constrained = (slots.constrained[idx] & ~slots.finished[idx]).nonzero()[0].tolist()
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
             # fill overlaps the forward still in flight
             owner = slots.owner
@@ -53,7 +53,7 @@ class StepTokens:
         tokens = sample_ids(logits, temperature, slots.top_k[idx], slots.top_p[idx],
                             slots.key[idx], slots.generated[idx])
         k = slots.logprobs[idx]
-        scored = np.flatnonzero(k)
+        scored = k.nonzero()[0]
         got = None
         if len(scored):  # tensors; each row's records are made when it finishes
             every = len(scored) == len(idx)
@@ -70,7 +70,7 @@ class StepTokens:
         among their ids for the next step to run. Rows found finished since the step was
         launched are left out: their token is discarded."""
         slots = self.slots
-        live = np.flatnonzero(~slots.finished[idx])  # [L] indices into the step's ids
+        live = (~slots.finished[idx]).nonzero()[0]  # [L] indices into the step's ids
         if not len(live):  # (None: nothing to read)
             return None
         sl = idx[live]  # [L]
@@ -112,10 +112,10 @@ class StepTokens:
             eos &= hit
         maybe = slots.checked[sl] | pending.last | eos  # [L]
         # rows checked for their stop strings alone, whose token cannot end one: no check
-        plain = np.flatnonzero(maybe & ~(slots.constrained[sl] | pending.last | eos))
+        plain = (maybe & ~(slots.constrained[sl] | pending.last | eos)).nonzero()[0]
         if len(plain):
             maybe[plain[self.stopper.skip_many(slots, sl[plain], tokens[plain])]] = False
-        at = np.flatnonzero(maybe)
+        at = maybe.nonzero()[0]
         if not len(at):
             return
         owner = slots.owner

@@ -99,7 +99,7 @@ class StopChecker:
         row's stop strings and its scan may leave it undecoded (as check_many would); those
         need no check_many this step."""
         ok = state.stop_skips[slots] > 0  # [C]
-        at = np.flatnonzero(ok)
+        at = ok.nonzero()[0]
         if not len(at):
             return ok
         self._widen(len(self._sets), int(tokens[at].max()) + 1)
