@@ -30,8 +30,9 @@ def params(stops: bool = True, **extra) -> list[SamplingParams]:
     """Mixed rows: greedy and temperature 0.7, logprobs on some, lengths 8-11, stop strings on
     a third (taken from what the row generates, so that they hit mid-output)."""
     out = []
+    found = _stops() if stops else []
     for i in range(len(nested_prompts())):
-        stop = (_STOPS[i],) if stops and i % 3 == 0 and _STOPS[i] else ()
+        stop = (found[i],) if stops and i % 3 == 0 and found[i] else ()
         out.append(SamplingParams(max_tokens=8 + i % 4, temperature=0.7 * (i % 2), seed=i,
                                   logprobs=2 if i % 3 == 1 else 0, stop=stop, **extra))
     return out
@@ -47,9 +48,16 @@ def _stop_strings() -> list[str]:
 _STOPS: list[str] = []
 
 
-def run(overlap: bool, sampling=None, **settings) -> tuple[list, dict]:
+def _stops() -> list[str]:
+    """_stop_strings(), found once: whichever test of the module a worker runs first (a test
+    that built its rows before any run found none: IndexError, on the workers where it ran
+    first)."""
     if not _STOPS:
         _STOPS.extend(_stop_strings())
+    return _STOPS
+
+
+def run(overlap: bool, sampling=None, **settings) -> tuple[list, dict]:
     llm = engine(overlap, **settings)
     outs = llm.generate(nested_prompts(), sampling or params())
     values = [[lp.logprob for lp in o.logprobs or []] for o in outs]
