@@ -116,6 +116,7 @@ class Request:
         st.renewed[self.slot] = True
         st.widen("table", len(pages))
         st.table[self.slot, : len(pages)] = pages
+        st.table[self.slot, len(pages) :] = 0
         st.num_pages[self.slot] = len(pages)
 
     def add_pages(self, pages: list[int]) -> None:

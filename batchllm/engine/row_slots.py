@@ -6,7 +6,7 @@ over its Requests; a Request (request.py) reads and writes its own slot.
 
 Three 2-D arrays, their widths grown (doubled) on demand: `out` [slot, g] the g-th generated id
 (a placeholder < 0 until it is read, future_tokens.py), `lp_at` [slot, g] where its
-log-probabilities are kept, `table` [slot, j] the j-th page id.
+log-probabilities are kept, `table` [slot, j] the j-th page id (0 from num_pages on).
 """
 
 from __future__ import annotations
@@ -101,6 +101,7 @@ class RowSlots:
             self._grow()
         s = self._free.pop()
         self.owner[s] = owner
+        self.table[s] = 0  # page ids past num_pages are 0: a step's page table is a plain gather
         self.num_prompt[s] = self.total[s] = num_prompt
         self.generated[s] = self.computed[s] = self.num_pages[s] = self.borrowed[s] = 0
         self.stop_skips[s] = self.fast_skipped[s] = 0

@@ -63,8 +63,8 @@ class ModelRunner:
         batch = build_batch(slots, counts, wants_logits, self.state, self.page_size,
                             self.cascade)
         dev = self.device
-        table = self.state.table[batch.seq_slots, : batch.max_pages]  # [B, max_pages] int32
-        table[np.arange(batch.max_pages) >= batch.num_pages[:, None]] = 0  # (stale ids)
+        table = self.state.table[batch.seq_slots, : batch.max_pages]  # [B, max_pages] int32,
+        # 0 past each one's pages (RowSlots)
         meta = StepMetadata(
             slot_mapping=torch.from_numpy(batch.slots).to(dev),
             page_table=torch.from_numpy(table).to(dev),

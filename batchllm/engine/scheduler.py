@@ -278,7 +278,7 @@ class Scheduler:
         rows = np.repeat(slots, held)  # [P]
         cols = np.arange(len(rows)) - np.repeat(np.cumsum(held) - held, held)  # [P]
         self.pool.release(st.table[rows, cols])
-        st.num_pages[slots] = st.borrowed[slots] = 0  # as _release, for all
+        st.num_pages[slots] = st.borrowed[slots] = st.table[slots] = 0  # as _release, for all
         st.renewed[slots] = True
         late = []
         for seq in seqs:
@@ -300,6 +300,8 @@ class Scheduler:
             refs.update(seq.pages)
             row = self.state.table[seq.slot, : self.state.num_pages[seq.slot]].tolist()
             assert row == seq.pages, f"{seq.kind} {seq.key}: slot table {row}, pages {seq.pages}"
+            assert not self.state.table[seq.slot, len(row) :].any(), (
+                f"{seq.kind} {seq.key}: page ids past its {len(row)} pages")
         for p, r in enumerate(self.pool.refs):
             assert refs[p] == r, f"page {p}: pool counts {r}, holders {refs[p]}"
         for seq in self.waiting:
