@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+from batchllm.engine.pages import PagePool
+from batchllm.engine.request import Kind, Request
 from batchllm.engine.row_slots import RowSlots
+from batchllm.engine.scheduler import Scheduler
 from batchllm.sampling_params import SamplingParams
 
 
@@ -28,3 +31,23 @@ def test_slots_hold_each_rows_settings_and_grow_past_their_capacity() -> None:
     slots.give_back(taken[3])
     again = slots.take(1, params[0], 1, matcher=False, greedy=True)
     assert again == taken[3] and slots.generated[again] == 0  # the counter starts over
+
+
+def test_page_ids_past_a_slots_pages_are_zero() -> None:
+    """The CPU runner reads a step's page table as a plain gather of the slots' rows: ids past
+    a sequence's pages must be 0 after its pages are replaced (a preemption's reset, a prefix
+    borrowed) or released, and in a slot taken again."""
+    slots = RowSlots(capacity=2)
+    a = Request(Kind.ROW, 0, [1, 2, 3], 3, state=slots)
+    a.add_pages([5, 6, 7])
+    a.set_pages([9])
+    assert slots.table[a.slot, :4].tolist() == [9, 0, 0, 0]
+    a.add_pages([4, 8])
+    sched = Scheduler(PagePool(10), 4, 2, 16, state=slots)
+    sched.pool.allocate(10)
+    sched.finish_many([a])  # its pages released
+    assert not slots.table[a.slot].any()
+    slots.table[a.slot, :3] = [1, 2, 3]  # a slot given back with ids left in it
+    slots.give_back(a.slot)
+    b = Request(Kind.ROW, 1, [1], 1, state=slots)
+    assert b.slot == a.slot and not slots.table[b.slot].any()
