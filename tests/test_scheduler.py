@@ -11,6 +11,7 @@ from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.scheduler import KVCacheTooSmall, Scheduler, StepPlan
+from batchllm.engine.scheduler_check import check_scheduler
 
 SLOTS = RowSlots(4)  # the slots of this module's requests, as an engine's (grown as needed)
 
@@ -39,7 +40,7 @@ def step(sched: Scheduler) -> StepPlan:
     ran_to_end = [s for s in plan.seqs if s.kind is Kind.ROW and s.computed == s.total]
     for seq in ran_to_end + plan.from_prefix:
         seq.append(7)
-    sched.check()
+    check_scheduler(sched)
     return plan
 
 
@@ -240,4 +241,4 @@ def test_scheduler_check_catches_a_reference_nobody_holds() -> None:
     step(sched)
     sched.pool.share([1])
     with pytest.raises(AssertionError, match="page 1: pool counts 2, holders 1"):
-        sched.check()
+        check_scheduler(sched)

@@ -9,7 +9,7 @@ only: no tensors here.
 
 from __future__ import annotations
 
-from collections import Counter, deque
+from collections import deque
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -213,15 +213,21 @@ class Scheduler:
             seq.cached_tokens = got.end
         return True, got.copy
 
-    def _release(self, seq: Request) -> None:
-        """Give back every page `seq` holds (borrowed ones drop a reference)."""
-        self.pool.release(seq.pages)
-        seq.set_pages([])
-        seq.num_borrowed_pages = 0
+    def _release(self, seqs: list[Request]) -> None:
+        """Give back every page the sequences hold (borrowed ones drop a reference), in one
+        release, in the order releases one by one would take."""
+        st = self.state
+        slots = np.fromiter((seq.slot for seq in seqs), np.int64, len(seqs))  # [F]
+        held = st.num_pages[slots]  # [F]
+        rows = np.repeat(slots, held)  # [P]
+        cols = np.arange(len(rows)) - np.repeat(np.cumsum(held) - held, held)  # [P]
+        self.pool.release(st.table[rows, cols])
+        st.num_pages[slots] = st.borrowed[slots] = st.table[slots] = 0
+        st.renewed[slots] = True
 
     def _reset(self, seq: Request) -> None:
         """`seq` loses its pages and starts over: nothing computed, nothing borrowed."""
-        self._release(seq)
+        self._release([seq])
         seq.computed = 0
         seq.cached_tokens = 0
 
@@ -271,15 +277,7 @@ class Scheduler:
         step late): it leaves `waiting` then, and drops the pin it held on its prefix."""
         if not seqs:
             return
-        st = self.state
-        slots = np.fromiter((seq.slot for seq in seqs), np.int64, len(seqs))  # [F]
-        held = st.num_pages[slots]  # [F]
-        # one release for all their pages, in the order releases one by one would take
-        rows = np.repeat(slots, held)  # [P]
-        cols = np.arange(len(rows)) - np.repeat(np.cumsum(held) - held, held)  # [P]
-        self.pool.release(st.table[rows, cols])
-        st.num_pages[slots] = st.borrowed[slots] = st.table[slots] = 0  # as _release, for all
-        st.renewed[slots] = True
+        self._release(seqs)
         late = []
         for seq in seqs:
             if self._running.pop(seq.slot, None) is None:
@@ -289,21 +287,3 @@ class Scheduler:
         self._slots = None
         if late:
             self.waiting = deque(s for s in self.waiting if id(s) not in late)
-
-    def check(self) -> None:
-        """Assert that the pool's reference counts are exactly what the stored prefixes and the
-        running sequences hold, that waiting sequences hold nothing, and the store's invariants."""
-        self.pool.check()
-        self.prefixes.check()
-        refs = Counter(self.prefixes.held())
-        for seq in self._running.values():
-            refs.update(seq.pages)
-            row = self.state.table[seq.slot, : self.state.num_pages[seq.slot]].tolist()
-            assert row == seq.pages, f"{seq.kind} {seq.key}: slot table {row}, pages {seq.pages}"
-            assert not self.state.table[seq.slot, len(row) :].any(), (
-                f"{seq.kind} {seq.key}: page ids past its {len(row)} pages")
-        for p, r in enumerate(self.pool.refs):
-            assert refs[p] == r, f"page {p}: pool counts {r}, holders {refs[p]}"
-        for seq in self.waiting:
-            assert not seq.pages and seq.computed == 0, f"waiting {seq.kind} {seq.key} holds KV"
-        assert len(self._running) <= self.max_num_seqs, "more running than max_num_seqs"
