@@ -162,8 +162,8 @@ def test_step_n_plus_1_is_launched_before_step_n_is_read(monkeypatch) -> None:
             events.append(("forward", 0))
             return forward(*args)
 
-        def logged_issue(self, tokens, keep=True, issue=issue, events=events):
-            out = issue(self, tokens, keep)
+        def logged_issue(self, tokens, issue=issue, events=events):
+            out = issue(self, tokens)
             events.append(("issue", id(out)))
             return out
 

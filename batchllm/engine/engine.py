@@ -123,7 +123,7 @@ class Engine:
         sched = Scheduler(pool, self.page_size, self.max_num_seqs, self.max_batched_tokens, users,
                           slots, burst=self.burst)
         stats = EngineStats(kv_pages_total=self.num_pages, kv_bytes_per_token=self.bytes_per_token)
-        future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device)
+        future = FutureTokens(self.max_num_seqs, self.loaded.model.embed.device, self.overlap)
         node_logits: dict[int, torch.Tensor] = {}
         # prefixes whose last position's logits rows will sample their first token from
         terminal = set((plan.node_terminal > 0).nonzero()[0].tolist())
@@ -168,7 +168,7 @@ class Engine:
             sched.step_done(step)
             issued = None
             if out is not None and out.tokens is not None:
-                issued = future.issue(out.tokens, keep=self.overlap), None
+                issued = future.issue(out.tokens), None
             elif step.from_prefix:
                 idx = np.concatenate([idx, [s.slot for s in step.from_prefix]]).astype(np.int64)
                 logits = torch.stack([*(logits if logits is not None else []),
@@ -178,7 +178,7 @@ class Engine:
                     drawn.resolve(pending, sched, rows, on_row, stats)  # hold the overlap
                     pending = None
                 tokens, scored = drawn.sample(logits, idx)  # logits [S, V], idx [S]
-                issued = future.issue(tokens, keep=self.overlap), scored
+                issued = future.issue(tokens), scored
             if pending is not None:
                 stats.steps_overlapped += issued is not None  # launched before ids were read
                 drawn.resolve(pending, sched, rows, on_row, stats)

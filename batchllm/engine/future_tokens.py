@@ -27,8 +27,8 @@ class Issued(NamedTuple):
     host: torch.Tensor  # [S] int64 on the host (pinned on CUDA, filled by a non-blocking copy)
     event: torch.cuda.Event | None  # recorded after the copy (CUDA only)
     base: int  # index of tokens[0] in FutureTokens.dev: row i's placeholder is -(1 + base + i)
-    kept: bool = True  # in FutureTokens.dev for the next step (False: read before it, no
-    # placeholder written)
+    kept: bool  # in FutureTokens.dev for the next step (False: read before it, no placeholder
+    # written)
 
     def read(self) -> tuple[np.ndarray, float]:
         """The ids [S] int64 on the host and the seconds waited for the device to produce
@@ -41,32 +41,34 @@ class Issued(NamedTuple):
 
 
 class FutureTokens:
-    def __init__(self, capacity: int, device: torch.device) -> None:
-        """capacity: most sequences a step samples (max_num_seqs: each is a running one)."""
+    def __init__(self, capacity: int, device: torch.device, keep: bool) -> None:
+        """capacity: most sequences a step samples (max_num_seqs: each is a running one).
+        keep: the step loop overlaps (engine.overlap). False: each step's ids are read before
+        the next step is planned, so they are not kept on the device and no placeholders stand
+        for them (StepTokens.attach; ~40 us a step on the CPU, both)."""
         self.capacity = capacity
         self.device = device
+        self.keep = keep
         self.dev = torch.zeros(2 * capacity, dtype=torch.int64, device=device)  # two halves
         self._half = 0
 
-    def issue(self, tokens: torch.Tensor, keep: bool = True) -> Issued:
-        """Keep a step's sampled ids [S] on the device for the next step and start their copy
-        to the host; nothing here waits for the device. keep=False: the ids are read before
-        the next step is planned (no overlap): not kept on the device, and no placeholders
-        stand for them (StepTokens.attach; ~40 us a step on the CPU, both)."""
+    def issue(self, tokens: torch.Tensor) -> Issued:
+        """Keep a step's sampled ids [S] on the device for the next step (with `keep`) and
+        start their copy to the host; nothing here waits for the device."""
         s = tokens.shape[0]
         if s > self.capacity:
             raise ValueError(f"FutureTokens: {s} sampled ids, room for {self.capacity}")
         base = self._half * self.capacity
         self._half ^= 1
-        if keep:
+        if self.keep:
             self.dev[base : base + s].copy_(tokens)
         if self.device.type != "cuda":
-            return Issued(tokens, tokens, None, base, keep)
+            return Issued(tokens, tokens, None, base, self.keep)
         host = torch.empty(s, dtype=torch.int64, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         event = torch.cuda.Event()
         event.record()
-        return Issued(tokens, host, event, base, keep)
+        return Issued(tokens, host, event, base, self.keep)
 
     def resolve(self, ids: torch.Tensor) -> torch.Tensor:
         """ids [T] int64 on the device, placeholders (< 0) swapped for the ids they stand for;
