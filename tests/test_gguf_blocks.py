@@ -3,6 +3,9 @@ Hugging Face names, q/k rows un-permuted as transformers does, their values gguf
 ones; on a file written here and on the default model's own Q4_1 file, against the float32
 folder transformers converted from it."""
 
+import json
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -73,3 +76,50 @@ def test_the_default_models_blocks_are_its_converted_weights():
             assert torch.equal(got[name].dequantize(), f.get_tensor(name)), name
         assert torch.equal(got["lm_head.weight"].dequantize(),
                            f.get_tensor("model.embed_tokens.weight"))
+
+
+def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_path, monkeypatch):
+    """take_blocks reads a .gguf's blocks once: a later load of the same converted folder takes
+    them from the file kept there (gguf's reader, which parses the whole vocabulary, is not
+    called), the same blocks; once the .gguf's modification time changes it is read again."""
+    import gguf
+
+    from batchllm.model.gguf import MARKER
+    from batchllm.model.gguf_blocks import take_blocks
+
+    gen = np.random.default_rng(2)
+    path = write_gguf(tmp_path / "m.gguf", {
+        "blk.0.attn_q.weight": (random_weight(gen, 64, 64), "Q4_1"),
+        "blk.0.attn_k.weight": (random_weight(gen, 32, 64), "Q8_0"),
+        "blk.0.ffn_down.weight": (random_weight(gen, 64, 96), "Q4_0"),
+        "token_embd.weight": (random_weight(gen, 50, 64), "Q8_0")}, heads=(4, 2))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / MARKER).write_text(json.dumps({"gguf": str(path)}))
+    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
+             "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"]
+    first = dict.fromkeys(names)
+    assert take_blocks(folder, first, tied=True) == 4  # three projections and the lm_head
+    assert len(list(folder.glob("gguf-blocks-*.safetensors"))) == 1
+
+    def read_again(*args, **kwargs):
+        raise AssertionError("the .gguf was read again")
+
+    monkeypatch.setattr(gguf, "GGUFReader", read_again)
+    again = dict.fromkeys(names)
+    assert take_blocks(folder, again, tied=True) == 4
+    assert again.keys() == first.keys() and again[names[3]] is None
+    for name, w in first.items():
+        if w is not None:
+            kept = again[name]
+            assert (kept.kind, kept.in_features) == (w.kind, w.in_features), name
+            assert torch.equal(kept.blocks, w.blocks), name
+    mtime = path.stat().st_mtime_ns
+    os.utime(path, ns=(mtime, mtime + 10**9))
+    with pytest.raises(AssertionError, match="read again"):
+        take_blocks(folder, dict.fromkeys(names), tied=True)
+    monkeypatch.undo()
+    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+    assert take_blocks(folder, dict.fromkeys(names), tied=True) == 4
+    assert len(list(folder.glob("gguf-blocks-*.safetensors"))) == 1  # the old one removed

@@ -12,14 +12,18 @@ applied here to the rows of blocks, the same rows in the same order.
 
 `take_blocks` puts them in a model's state in place of the converted folder's float32 weights
 (whose pages are then never read), where the model runs on the CPU in float32 from a folder
-batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. Off by default: they win only
-on steps of 1-5 rows (README, GGUF; scripts/bench_blocks.py), and whole jobs were not faster
-(bench.py --weights both, at the panel path's code). The same bits either way
-(tests/test_gguf_engine.py).
+batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. The blocks it read are kept
+in that folder as a safetensors file, keyed by the .gguf's path, size and modification time:
+gguf's reader parses every metadata field, the tokenizer's vocabulary and merges included (2.4 s
+for SmolLM2's file on a 2-core Xeon), where the kept file loads in milliseconds. Off by default:
+steps of few rows are faster, whole jobs are not (README, GGUF: scripts/bench_blocks.py,
+bench.py --weights both). The same bits either way (tests/test_gguf_engine.py).
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import os
 import re
 from collections.abc import Iterable, MutableMapping
@@ -29,6 +33,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchllm_kernels.atomic_write import write_atomic
 from batchllm_kernels.cpu.blocks import BLOCK, TYPES
 
 # the weights read as blocks: a layer's attention and dense MLP projections, and the lm_head
@@ -137,7 +142,36 @@ def take_blocks(folder: Path, state: MutableMapping, tied: bool,
     names = [n for n in state if attention or ".self_attn." not in n]
     if tied and "lm_head.weight" not in state:
         names.append("lm_head.weight")
-    found = read_blocks(path, names, tied)
+    found = _kept_blocks(Path(folder), path, names, tied)
     for name, weight in found.items():
         state[name] = weight
     return len(found)
+
+
+def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict[str, BlockWeight]:
+    """read_blocks(path, names, tied), through the file the folder keeps them in: read from it
+    when it is there, else read from the .gguf and written (a folder that cannot be written to
+    is only read)."""
+    from safetensors import safe_open
+    from safetensors.torch import save
+
+    stat = path.stat()
+    key = hashlib.sha256("\0".join([str(path), str(stat.st_size), str(stat.st_mtime_ns),
+                                     str(tied), *sorted(names)]).encode()).hexdigest()[:16]
+    kept = folder / f"gguf-blocks-{key}.safetensors"
+    if kept.is_file():
+        with safe_open(kept, "pt") as f:
+            found = json.loads(f.metadata()["blocks"])  # name -> [kind, in_features]
+            return {name: BlockWeight(f.get_tensor(name), kind, k)
+                    for name, (kind, k) in found.items()}
+    found = read_blocks(path, names, tied)
+    data = save({name: w.blocks for name, w in found.items()}, metadata={"blocks": json.dumps(
+        {name: [w.kind, w.in_features] for name, w in found.items()})})
+    try:
+        write_atomic(kept, lambda f: f.write(data))
+        for old in folder.glob("gguf-blocks-*.safetensors"):  # those of a .gguf since changed
+            if old != kept:
+                old.unlink(missing_ok=True)
+    except OSError:  # a shared cache folder of another user's: read from the .gguf each time
+        pass
+    return found
