@@ -11,7 +11,7 @@ from batchllm.engine.pages import PagePool
 from batchllm.engine.request import Kind, Request
 from batchllm.engine.row_slots import RowSlots
 from batchllm.engine.scheduler import KVCacheTooSmall, Scheduler, StepPlan
-from batchllm.engine.scheduler_check import check_scheduler
+from tests.scheduler_check import check_scheduler
 
 SLOTS = RowSlots(4)  # the slots of this module's requests, as an engine's (grown as needed)
 

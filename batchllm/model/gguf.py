@@ -48,11 +48,17 @@ def alias_folder(alias: str) -> Path:
                                                     "gguf": str(source / gguf_name)})
 
 
+def file_key(file: Path, *more: str) -> str:
+    """A digest of a file's path, size and modification time (and `more`): what a cache made
+    from the file is kept under, so that a changed file is never served from it."""
+    stat = file.stat()
+    return hashlib.sha256("\0".join([str(file), str(stat.st_size), str(stat.st_mtime_ns),
+                                      *more]).encode()).hexdigest()
+
+
 def gguf_folder(file: Path) -> Path:
     """The converted folder of a .gguf file (an absolute path), converted on first use."""
-    stat = file.stat()
-    key = hashlib.sha256(f"{file}\0{stat.st_size}\0{stat.st_mtime_ns}".encode()).hexdigest()
-    name = f"gguf-{file.stem.lower()}-{key[:12]}"
+    name = f"gguf-{file.stem.lower()}-{file_key(file)[:12]}"
     return _convert_once(name, file.parent, file.name, {"gguf": str(file)})
 
 

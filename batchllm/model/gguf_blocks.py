@@ -22,7 +22,6 @@ bench.py --weights both). The same bits either way (tests/test_gguf_engine.py).
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -33,6 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from batchllm.model.gguf import file_key, source_file
 from batchllm_kernels.atomic_write import write_atomic
 from batchllm_kernels.cpu.blocks import BLOCK, TYPES
 
@@ -134,8 +134,6 @@ def take_blocks(folder: Path, state: MutableMapping, tied: bool,
     """In place: each projection of `state` the GGUF file behind `folder` holds as blocks
     becomes its BlockWeight (attention False: the attention's stay float32, as for models
     whose heads are permuted at load); returns how many. Nothing for any other folder."""
-    from batchllm.model.gguf import source_file
-
     path = source_file(folder)
     if path is None or os.environ.get("BATCHLLM_GGUF_BLOCKS", "0") != "1":
         return 0
@@ -155,10 +153,7 @@ def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict
     from safetensors import safe_open
     from safetensors.torch import save
 
-    stat = path.stat()
-    key = hashlib.sha256("\0".join([str(path), str(stat.st_size), str(stat.st_mtime_ns),
-                                     str(tied), *sorted(names)]).encode()).hexdigest()[:16]
-    kept = folder / f"gguf-blocks-{key}.safetensors"
+    kept = folder / f"gguf-blocks-{file_key(path, str(tied), *sorted(names))[:16]}.safetensors"
     if kept.is_file():
         with safe_open(kept, "pt") as f:
             found = json.loads(f.metadata()["blocks"])  # name -> [kind, in_features]

@@ -1,4 +1,4 @@
-"""The scheduler's bookkeeping checked whole (tests call it after every step): the pool's
+"""The scheduler's bookkeeping checked whole (test_scheduler calls it after every step): the pool's
 reference counts are exactly what the stored prefixes and the running sequences hold, each
 running sequence's slot table row is its pages (0 past them), waiting sequences hold nothing."""
 
