@@ -123,3 +123,46 @@ def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_
     monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
     assert take_blocks(folder, dict.fromkeys(names), tied=True) == 4
     assert len(list(folder.glob("gguf-blocks-*.safetensors"))) == 1  # the old one removed
+
+
+@pytest.mark.parametrize("damage", ["cut", "garbage", "no list", "wrong width"])
+def test_a_damaged_kept_file_is_a_miss_read_again_and_written_whole(tmp_path, monkeypatch,
+                                                                    damage):
+    """A kept blocks file that cannot be read whole (cut, overwritten, without its list of
+    blocks, a tensor narrower than its kind and width say) is a miss, as the panel cache's: the
+    .gguf is read again, the same blocks, and a whole file written in its place."""
+    from safetensors.torch import save
+
+    from batchllm.model.gguf import MARKER
+    from batchllm.model.gguf_blocks import take_blocks
+
+    gen = np.random.default_rng(3)
+    path = write_gguf(tmp_path / "m.gguf", {
+        "blk.0.attn_q.weight": (random_weight(gen, 64, 64), "Q4_1"),
+        "blk.0.ffn_down.weight": (random_weight(gen, 64, 96), "Q8_0"),
+        "token_embd.weight": (random_weight(gen, 50, 64), "Q4_0")}, heads=(4, 2))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / MARKER).write_text(json.dumps({"gguf": str(path)}))
+    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+    names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"]
+    first = dict.fromkeys(names)
+    assert take_blocks(folder, first, tied=True) == 3
+    (kept,) = folder.glob("gguf-blocks-*.safetensors")
+    whole = kept.read_bytes()
+    if damage == "cut":
+        kept.write_bytes(whole[: len(whole) // 2])
+    elif damage == "garbage":
+        kept.write_bytes(b"\xff" * len(whole))
+    else:
+        narrow = {n: w.blocks[:, :-1].contiguous() for n, w in first.items() if w is not None}
+        listed = {n: [w.kind, w.in_features] for n, w in first.items() if w is not None}
+        kept.write_bytes(save(narrow, metadata=None if damage == "no list"
+                              else {"blocks": json.dumps(listed)}))
+    again = dict.fromkeys(names)
+    assert take_blocks(folder, again, tied=True) == 3
+    for name, w in first.items():
+        if w is not None:
+            assert (again[name].kind, again[name].in_features) == (w.kind, w.in_features)
+            assert torch.equal(again[name].blocks, w.blocks), name
+    assert kept.read_bytes() == whole

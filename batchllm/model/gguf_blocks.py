@@ -148,17 +148,14 @@ def take_blocks(folder: Path, state: MutableMapping, tied: bool,
 
 def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict[str, BlockWeight]:
     """read_blocks(path, names, tied), through the file the folder keeps them in: read from it
-    when it is there, else read from the .gguf and written (a folder that cannot be written to
-    is only read)."""
-    from safetensors import safe_open
+    when it is there and whole, else read from the .gguf and written (a folder that cannot be
+    written to is only read)."""
     from safetensors.torch import save
 
     kept = folder / f"gguf-blocks-{file_key(path, str(tied), *sorted(names))[:16]}.safetensors"
-    if kept.is_file():
-        with safe_open(kept, "pt") as f:
-            found = json.loads(f.metadata()["blocks"])  # name -> [kind, in_features]
-            return {name: BlockWeight(f.get_tensor(name), kind, k)
-                    for name, (kind, k) in found.items()}
+    found = _read_kept(kept) if kept.is_file() else None
+    if found is not None:
+        return found
     found = read_blocks(path, names, tied)
     data = save({name: w.blocks for name, w in found.items()}, metadata={"blocks": json.dumps(
         {name: [w.kind, w.in_features] for name, w in found.items()})})
@@ -169,4 +166,25 @@ def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict
                 old.unlink(missing_ok=True)
     except OSError:  # a shared cache folder of another user's: read from the .gguf each time
         pass
+    return found
+
+
+def _read_kept(kept: Path) -> dict[str, BlockWeight] | None:
+    """The blocks a kept file holds, or None when it is damaged (its header unreadable, its
+    list of blocks missing, a tensor of the wrong type or width): a miss, as the panel cache
+    treats a damaged panel file. Bytes changed inside a block are not found here, as there."""
+    from safetensors import SafetensorError, safe_open
+
+    try:
+        with safe_open(kept, "pt") as f:
+            listed = json.loads((f.metadata() or {})["blocks"])  # name -> [kind, in_features]
+            found = {name: BlockWeight(f.get_tensor(name), kind, int(k))
+                     for name, (kind, k) in listed.items()}
+    except (SafetensorError, OSError, KeyError, TypeError, ValueError):
+        return None
+    for w in found.values():
+        if (w.kind not in TYPES or w.blocks.dtype != torch.uint8 or w.blocks.dim() != 2
+                or w.in_features % BLOCK
+                or w.blocks.shape[1] != w.in_features // BLOCK * TYPES[w.kind][1]):
+            return None
     return found
