@@ -82,25 +82,39 @@ class LLM:
 
     def generate(
         self,
-        prompts: str | Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | dict | Sequence[str | dict | Sequence[int] | None],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Prompts as they are (text, tokenized with the tokenizer's special tokens, or token id
-        lists), no chat template. Returns one output per prompt, in input order."""
-        if isinstance(prompts, str):
+        """Prompts as they are, no chat template: text (tokenized with the tokenizer's special
+        tokens), token id lists, or vLLM's prompt dicts ({"prompt": text} or
+        {"prompt_token_ids": ids}). Returns one output per prompt, in input order; a prompt that
+        cannot run (None, ids outside the model's vocabulary) is an error output, as an empty
+        one is."""
+        if isinstance(prompts, (str, dict)):
             prompts = [prompts]
+        prompts = [_unwrapped(p) for p in prompts]
         texts = [i for i, p in enumerate(prompts) if isinstance(p, str)]
-        ids: list = [None if isinstance(p, str) else np.asarray(p, np.int32) for p in prompts]
+        vocab = self.runtime.loaded.model.shape.vocab_size
+        ids: list = [None] * len(prompts)
+        errors: dict[int, str] = {}
+        for i, p in enumerate(prompts):
+            if not isinstance(p, str):
+                ids[i], why = _token_ids(p, vocab)
+                if why:
+                    errors[i] = why
         for i, toks in zip(texts, tokenize(self.tokenizer, [prompts[i] for i in texts], True)):
             ids[i] = toks
-        return self._generate(ids, sampling_params)
+        return self._generate(ids, sampling_params, errors)
 
     def chat(
         self,
-        conversations: Sequence[list[dict]],
+        conversations: list[dict] | Sequence[list[dict]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
     ) -> list[RequestOutput]:
-        """Conversations (lists of {role, content}) through the model's chat template."""
+        """Conversations (lists of {role, content}) through the model's chat template; one
+        conversation alone is taken too (one output), as vLLM's LLM.chat takes it."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
         texts = render_chats(self.tokenizer, conversations)
         return self._generate(tokenize(self.tokenizer, texts, False), sampling_params)
 
@@ -147,10 +161,14 @@ class LLM:
         # the job's defaults are replaced row by row with the sampling given here
         rows = build_rows(self.tokenizer, cfg, SamplingConfig(max_tokens=1), source)
         sps = self._sampling(sampling_params, len(rows))
-        if len(sps) != len(rows):
-            raise ValueError(f"generate_frame: {len(sps)} sampling params for {len(rows)} rows")
         for row, sp in zip(rows, sps):
             row.sampling = sp
+        added_too = [name for name, on in (("sample", any(r.num_samples > 1 for r in rows)),
+                                           ("logprobs", any(r.wants_logprobs for r in rows)))
+                     if on and name in df.columns]  # before the model runs, not after
+        if added_too:
+            raise ValueError(f"generate_frame: the frame has output column(s) already: "
+                             f"{', '.join(added_too)}")
         records = [r for got in self._run(rows) for r in got]
         lines = [part_row(r) for r in records]
         fields = [f for f in [*schema, *SAMPLE_FIELDS] if f.name != "id"]
@@ -162,12 +180,22 @@ class LLM:
 
     @staticmethod
     def _sampling(sampling_params, n: int) -> list[SamplingParams]:
+        """One SamplingParams per prompt: the one given for all, or a list of exactly n."""
         sp = sampling_params or SamplingParams()
-        return [sp] * n if isinstance(sp, SamplingParams) else list(sp)
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sps = list(sp)
+        if len(sps) != n:
+            raise ValueError(f"{len(sps)} sampling params for {n} prompts: give one for all, "
+                             f"or one per prompt")
+        return sps
 
-    def _generate(self, ids: list[np.ndarray], sampling_params) -> list[RequestOutput]:
+    def _generate(self, ids: list[np.ndarray | None], sampling_params,
+                  errors: dict[int, str] | None = None) -> list[RequestOutput]:
+        """errors: the prompts (by position) that cannot run, and why."""
         sps = self._sampling(sampling_params, len(ids))
-        rows = [Row(i, i, t, s) for i, (t, s) in enumerate(zip(ids, sps))]
+        errors = errors or {}
+        rows = [Row(i, i, t, s, error=errors.get(i)) for i, (t, s) in enumerate(zip(ids, sps))]
         return [RequestOutput.of(got) for got in self._run(rows)]
 
     def _run(self, rows: list[Row]) -> list[list[Row]]:
@@ -177,3 +205,31 @@ class LLM:
         got: list[list[Row]] = [[] for _ in rows]
         self.last_metrics = self.runtime.run_rows(rows, lambda r: got[r.index].append(r)).to_dict()
         return [sorted(g, key=lambda r: r.sample) for g in got]
+
+
+def _unwrapped(prompt: object) -> object:
+    """vLLM's prompt dicts as the prompt they hold: {"prompt": text}, {"prompt_token_ids": ids}
+    (a dict with neither is left as it is, and fails as a prompt)."""
+    if isinstance(prompt, dict):
+        for key in ("prompt_token_ids", "prompt"):
+            if key in prompt:
+                return prompt[key]
+    return prompt
+
+
+def _token_ids(prompt: object, vocab: int) -> tuple[np.ndarray | None, str | None]:
+    """A prompt given as token ids: ([P] int32, None), or (None, why it cannot run)."""
+    if prompt is None:
+        return None, "the prompt is None"
+    try:
+        ids = np.asarray(prompt)
+    except (TypeError, ValueError) as e:
+        return None, f"the prompt is neither text nor a list of token ids: {e}"
+    if ids.ndim != 1 or not (ids.size == 0 or np.issubdtype(ids.dtype, np.integer)):
+        return None, (f"the prompt is neither text nor a list of token ids "
+                      f"({type(prompt).__name__} of {ids.dtype} {tuple(ids.shape)})")
+    outside = ids[(ids < 0) | (ids >= vocab)]
+    if len(outside):
+        return None, (f"the prompt's token id {int(outside[0])} is outside the model's "
+                      f"vocabulary (0..{vocab - 1})")
+    return ids.astype(np.int32), None

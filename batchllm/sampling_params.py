@@ -92,7 +92,7 @@ class SamplingParams:
     temperature: float = 0.0
     top_p: float = 1.0
     top_k: int = 0
-    seed: int = 0
+    seed: int | None = 0  # None: the default, 0 (vLLM's engine seed: runs repeat)
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
     n: int = 1
@@ -102,6 +102,8 @@ class SamplingParams:
     choice: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
+        if self.seed is None:
+            object.__setattr__(self, "seed", 0)
         if isinstance(self.stop, str):
             object.__setattr__(self, "stop", (self.stop,))
         elif not isinstance(self.stop, tuple):
