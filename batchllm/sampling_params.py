@@ -130,9 +130,13 @@ class SamplingParams:
             return "choice", canonical_json(list(self.choice))
         return None
 
+    @property
+    def max_tokens_ok(self) -> bool:
+        return _int_in(self.max_tokens, 1, MAX_TOKENS)
+
     def problem(self) -> str | None:
         """Why these settings cannot run, in words a user can act on; None when fine."""
-        if not _int_in(self.max_tokens, 1, MAX_TOKENS):
+        if not self.max_tokens_ok:
             return f"max_tokens must be an integer in 1..{MAX_TOKENS}, got {self.max_tokens!r:.80}"
         if not finite(self.temperature) or self.temperature < 0:
             return f"temperature must be a finite number >= 0, got {self.temperature!r:.80}"

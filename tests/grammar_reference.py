@@ -14,7 +14,7 @@ import torch
 from hf_reference import _eos_ids, hf_model
 from transformers import LogitsProcessor, LogitsProcessorList
 
-from batchllm.engine.grammar import JSON_OPTIONS  # the separators batchllm documents
+from batchllm.constraints import JSON_OPTIONS  # the separators batchllm documents
 from batchllm.model.tokenizer import load_tokenizer
 
 

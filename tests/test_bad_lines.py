@@ -9,9 +9,10 @@ import pytest
 from bad_inputs import DEEP_ARRAY, job_file, output_rows
 
 from batchllm import run_job
-from batchllm.config import SAMPLING_FIELDS
+from batchllm.config import SAMPLING_FIELDS, InputConfig
 from batchllm.rows import json_lines
 from batchllm.rows.openai_batch import parse_batch
+from batchllm.rows.reader import read_input
 
 CHAT, COMPLETIONS = "/v1/chat/completions", "/v1/completions"
 
@@ -114,4 +115,60 @@ def test_bad_jsonl_and_csv_rows_are_error_rows(tmp_path) -> None:
     assert run_job(job, progress=False)["rows_error"] == 1
     out = output_rows(job)
     assert out["b"]["error"] == "input.prompt_column: prompt is not valid UTF-8"
+    assert out["a"]["completion_tokens"] == 3 == out["c"]["completion_tokens"]
+
+
+def test_cells_of_the_wrong_type_in_jsonl_and_csv_are_error_rows(tmp_path) -> None:
+    """A JSON Lines or CSV cell that is not what its column holds (a word among numbers, a
+    prompt that is a number, a list or an object, an integer past 64 bits) fails its own row,
+    naming the field; the others run, their values as written (a seed of 2**63 + 5 is a seed,
+    not the float pyarrow or polars would make of it; a schema written as a JSON object is a
+    schema)."""
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"]}
+    rows = [{"id": "ok", "prompt": "Does clause 4 allow subletting?", "temperature": 0.5},
+            {"id": "hot", "prompt": "Who pays?", "temperature": "hot"},
+            {"id": "num-prompt", "prompt": 5},
+            {"id": "list-prompt", "prompt": ["a", "b"]},
+            {"id": "obj-prompt", "prompt": {"x": 1}},
+            {"id": "stop-5", "prompt": "Name a clause.", "stop": 5},
+            {"id": "text-max", "prompt": "Name a party.", "max_tokens": "5"},
+            {"id": "big-max", "prompt": "Name a party.", "max_tokens": 1e20},
+            {"id": "u64-seed", "prompt": "Name a party.", "seed": 2**63 + 5, "temperature": 1.0},
+            {"id": "i64-seed", "prompt": "Name a party.", "seed": 2**63 - 5, "temperature": 1.0},
+            {"id": "schema", "prompt": "Give a.", "json_schema": schema, "max_tokens": 12},
+            {"id": "stop-list", "prompt": "Name a clause.", "stop": ["zz", "yy"]}]
+    jsonl = tmp_path / "in.jsonl"
+    jsonl.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    job = job_file(tmp_path, "jsonl", {"path": str(jsonl)})
+    assert run_job(job, progress=False)["rows_error"] == 7
+    out = output_rows(job)
+    per_row = "(a per-row input column)"
+    assert out["hot"]["error"] == f'sampling.temperature {per_row}: expected a number, got "hot"'
+    assert out["num-prompt"]["error"] == "input.prompt_column: expected text, got 5"
+    assert out["list-prompt"]["error"] == 'input.prompt_column: expected text, got ["a", "b"]'
+    assert out["obj-prompt"]["error"] == 'input.prompt_column: expected text, got {"x": 1}'
+    assert out["stop-5"]["error"] == \
+        f"sampling.stop {per_row}: expected a string or a list of strings, got 5"
+    assert out["text-max"]["error"] == f'sampling.max_tokens {per_row}: expected an integer, ' \
+                                       f'got "5"'
+    assert out["big-max"]["error"] == f"sampling.max_tokens {per_row}: {10**20} is out of " \
+                                      f"range (64-bit integers)"
+    for key in ("ok", "u64-seed", "i64-seed", "schema", "stop-list"):
+        assert out[key]["error"] is None and out[key]["completion_tokens"] > 0, key
+    assert out["schema"]["completion"].startswith('{"a": ')  # the schema held it
+    seeds = read_input(InputConfig(path=str(jsonl))).overrides["seed"]
+    assert seeds[8:10] == [2**63 + 5, 2**63 - 5]  # as written, not as floats
+
+    csv = tmp_path / "in.csv"
+    csv.write_text("id,prompt,temperature,seed\n"
+                   "a,Does clause 4 allow subletting?,0.5,7\n"
+                   "b,Who pays?,hot,\n"
+                   f"c,Name a party.,,{2**63 + 5}\n"
+                   f"d,Name a clause.,0,{2**70}\n")
+    job = job_file(tmp_path, "csv", {"path": str(csv)})
+    assert run_job(job, progress=False)["rows_error"] == 2
+    out = output_rows(job)
+    assert out["b"]["error"] == f'sampling.temperature {per_row}: expected a number, got "hot"'
+    assert out["d"]["error"] == f"sampling.seed {per_row}: {2**70} is out of range (64-bit " \
+                                f"integers)"
     assert out["a"]["completion_tokens"] == 3 == out["c"]["completion_tokens"]

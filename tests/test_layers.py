@@ -27,7 +27,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("batchllm_kernels",),  # Triton, C and torch kernels (the kernels/ folder)
     ("batchllm.plan",),  # prefix tree, planner, shards (numpy only)
     ("batchllm.rows",),  # rows in and out (pyarrow)
-    ("batchllm.config", "batchllm.sampling_params"),  # the job file; sampling settings
+    ("batchllm.config", "batchllm.sampling_params", "batchllm.constraints"),  # the job file;
+    # sampling settings; structured output's grammars
     ("batchllm_kernels.atomic_write",),  # the one write-then-rename helper: imports nothing
 ]
 

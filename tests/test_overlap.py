@@ -109,8 +109,8 @@ def test_same_rows_with_overlap(name: str) -> None:
 def test_same_rows_with_end_of_sequence_stops() -> None:
     """The two tokens the model most often picks made ends of sequence: rows stop at varied
     steps, known one step late with overlap."""
-    ref = engine(False).generate(nested_prompts(), [SamplingParams(max_tokens=10,
-                                                                   ignore_eos=True)] * 20)
+    ref = engine(False).generate(nested_prompts(), SamplingParams(max_tokens=10,
+                                                                  ignore_eos=True))
     counts: dict[int, int] = {}
     for o in ref:
         for t in o.token_ids[1:]:

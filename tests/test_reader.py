@@ -248,11 +248,24 @@ def test_jsonl_messages_and_folders(tmp_path):
         read_input(InputConfig(path=str(f.parent), format="csv"))
 
 
-def test_unreadable_jsonl_and_an_openai_batch_file_in_disguise(tmp_path):
+def test_a_broken_jsonl_line_fails_its_row_or_with_ids_the_file(tmp_path):
+    """A line that is not a JSON object is an error row naming the line where rows are known by
+    their index; where the rows have ids, its id is unknown, and the file is refused, naming
+    the line."""
     bad = tmp_path / "bad.jsonl"
-    bad.write_text('{"prompt": "x"}\n{"prompt": \n')
-    with pytest.raises(ConfigError, match=r"input.path: cannot read .*bad.jsonl as JSON Lines"):
+    bad.write_text('{"prompt": "x"}\n{"prompt": \n[1, 2]\n{"prompt": "y"}\n')
+    rows = read_input(InputConfig(path=str(bad)))
+    assert rows.prompts == ["x", None, None, "y"] and rows.ids.to_pylist() == [0, 1, 2, 3]
+    assert rows.errors[1].startswith("input.prompt_column: line 2 is not valid JSON")
+    assert rows.errors[2] == "input.prompt_column: line 3 is not a JSON object"
+    bad.write_text('{"id": 1, "prompt": "x"}\n{"id": 2, "prompt": \n')
+    with pytest.raises(ConfigError, match=r"input.path: cannot read .*bad.jsonl as JSON Lines: "
+                                          r"line 2 is not valid JSON .*, so the row's 'id' is "
+                                          r"unknown"):
         read_input(InputConfig(path=str(bad)))
+
+
+def test_an_openai_batch_file_in_disguise(tmp_path):
     batch = _jsonl(tmp_path / "batch.jsonl", [{"custom_id": "a", "method": "POST", "url": "u",
                                                "body": {"prompt": "x"}}])
     with pytest.raises(ConfigError, match="looks like an OpenAI Batch file: set input.format: "

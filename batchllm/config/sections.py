@@ -10,6 +10,7 @@ stored as 4294967296 bytes). Every message starts with the field's path, e.g.
 from __future__ import annotations
 
 import dataclasses
+import json
 from dataclasses import MISSING, dataclass, field
 from typing import Any, ClassVar
 
@@ -115,6 +116,14 @@ class SamplingConfig(_Section):
         if len(given) > 1:
             return [(f"sampling.{given[1]}: sampling.{given[0]} is set too; give at most one of "
                     "json_schema, regex and choice")]
+        if given:  # every row would fail: the job's own constraint is checked before it starts
+            from batchllm.constraints import compile_problem
+
+            kind = given[0]
+            spec = getattr(self, kind)
+            why = compile_problem(kind, json.dumps(list(spec)) if kind == "choice" else spec)
+            if why:
+                return [f"sampling.{kind}: the {kind.replace('_', ' ')} does not compile: {why}"]
         return []
 
 

@@ -7,8 +7,9 @@ identity for checkpoints and output order. Only the needed columns are read.
 
 What is wrong with the whole input (a missing column, a column of the wrong type, duplicate
 ids) stops the job before it starts (ConfigError); what is wrong with one row (a cell that is
-not valid UTF-8, a value nested too deep, a per-row value out of range) makes that row an error
-row naming the field, and the other rows run.
+not valid UTF-8, a value nested too deep, a per-row value out of range; in JSON Lines and CSV a
+cell of the wrong type, rows/cells.py) makes that row an error row naming the field, and the
+other rows run.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pyarrow.compute as pc
 
 from batchllm.config import SAMPLING_FIELDS, ConfigError, InputConfig
 from batchllm.rows import storage
+from batchllm.rows.cells import FIELD_KINDS
 from batchllm.rows.json_lines import lines
 from batchllm.rows.openai_batch import parse_batch
 from batchllm.rows.overrides import COLUMN_KINDS, check_override, override
@@ -89,7 +91,12 @@ def _missing(field: str, column: str, file: str, names: list[str]) -> ConfigErro
 
 def _read(file: str, cfg: InputConfig, wanted: list[str | None],
           row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
-    return read_table(file, cfg.format, wanted, [_text_field(cfg)[0]], row_groups)
+    text = _text_field(cfg)[0]
+    kinds = {name: FIELD_KINDS[name] for name in wanted if name in FIELD_KINDS}
+    kinds[text] = "messages" if cfg.messages_column else "text"
+    if cfg.id_column:
+        kinds[cfg.id_column] = "id"
+    return read_table(file, cfg.format, wanted, kinds, row_groups)
 
 
 def _check_string(t: pa.DataType, field: str, name: str) -> None:

@@ -112,8 +112,10 @@ class RowTable:
         return self.tokens[at], offsets
 
     def max_tokens(self) -> np.ndarray:
-        """[N] int64 each row's sampling.max_tokens."""
-        per_setting = np.asarray([s.max_tokens for s in self.settings], np.int64)
+        """[N] int64 each row's sampling.max_tokens (0 for a setting whose max_tokens is not a
+        valid one: its rows are error rows, and 1e20 fits no int64)."""
+        per_setting = np.asarray([s.max_tokens if s.max_tokens_ok else 0
+                                  for s in self.settings], np.int64)
         return per_setting[self.setting]
 
     def taken(self, keep: np.ndarray) -> RowTable:

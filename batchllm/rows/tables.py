@@ -1,15 +1,19 @@
-"""Input files as Arrow tables, whatever their format: Parquet through pyarrow, JSON Lines and CSV
-through polars (its readers are multi-threaded and infer types over the whole file).
+"""Input files as Arrow tables, whatever their format: Parquet through pyarrow, JSON Lines through
+pyarrow's reader (multi-threaded, and strict: it refuses a column whose values change type,
+where polars turned a prompt of 5 into the text "5"), CSV through polars (types inferred over
+the whole file).
 
 input.format `auto` picks by extension: .jsonl / .ndjson are JSON Lines, .csv is CSV, anything
 else Parquet (as before formats existed). Every error is a ConfigError naming the file.
 
 A row that one bad cell would make the whole file unreadable for is reported instead, and
 the rest read (`read_table`'s second result): a text cell that is not valid UTF-8, in any
-format (rows/text_cells.py), or a JSON Lines value nested deeper than config.limits.MAX_DEPTH
-(polars gives up on the whole file at about 100 levels), which is read as null. A JSON Lines
-file that polars refuses is read line by line in Python (also a number such as 1e400, which
-polars refuses and Python reads as infinite).
+format (rows/text_cells.py); in the text formats, a cell that is not what its column must hold
+(rows/cells.py: a temperature of "hot", a prompt that is a number, an integer past 64 bits);
+in JSON Lines, a value nested deeper than config.limits.MAX_DEPTH, and a line that is not a JSON
+object when the rows have no id column (with one, the row's id is unknown: the file is refused,
+naming the line). A JSON Lines file whose wanted columns pyarrow's reader does not give as
+their kinds is read line by line in Python (also a number such as 1e400, read as infinite).
 """
 
 from __future__ import annotations
@@ -22,9 +26,11 @@ import pyarrow.parquet as pq
 from batchllm.config import ConfigError
 from batchllm.config.limits import MAX_DEPTH, too_deep_spans
 from batchllm.rows import storage
+from batchllm.rows.cells import column, fits, json_cell, text_cell
 from batchllm.rows.text_cells import mark_bad_bytes, repair
 
 BadCells = dict[int, tuple[str, str]]  # row in the file -> (column, why)
+Kinds = dict[str, str]  # column -> the kind of its cells (rows/cells.py); "id": the id column
 
 EXTENSIONS = {".parquet": "parquet", ".jsonl": "jsonl", ".ndjson": "jsonl", ".csv": "csv"}
 
@@ -37,27 +43,13 @@ def file_format(file: str, fmt: str) -> str:
     return next((f for ext, f in EXTENSIONS.items() if lower.endswith(ext)), "parquet")
 
 
-def _polars(file: str | bytes, fmt: str, text_columns: list[str]):
-    import polars as pl
-
-    source = file
-    if isinstance(file, str) and storage.is_remote(file):
-        with storage.open_bytes(file) as f:
-            source = f.read()
-    if fmt == "jsonl":
-        return pl.read_ndjson(source, infer_schema_length=None)
-    # the text columns stay text (a column of numbers is still a prompt)
-    return pl.read_csv(source, infer_schema_length=None,
-                       schema_overrides={c: pl.String for c in text_columns})
-
-
 def column_names(file: str, fmt: str) -> list[str]:
     """The columns of an input file."""
     fmt = file_format(file, fmt)
     try:
         if fmt == "parquet":
             return pq.read_schema(storage.arrow_source(file)).names
-        return _polars_lenient(file, fmt, [])[0].columns
+        return _text_table(file, fmt, {})[3]
     except Exception as e:  # noqa: BLE001 - pyarrow and polars raise their own kinds
         raise _unreadable(file, fmt, e) from None
 
@@ -67,14 +59,78 @@ def _unreadable(file: str, fmt: str, e: BaseException) -> ConfigError:
     return ConfigError(f"input.path: cannot read {file} as {words}: {e}")
 
 
-def _json_lines(text: str) -> tuple[object, BadCells]:
-    """JSON Lines read line by line in Python, as polars reads them (blank lines are no rows),
-    where polars refuses the whole file: a column whose value nests deeper than MAX_DEPTH is
-    read as null in that row, and the row reported with the path; a number past a float's range is infinite (for the
-    row's check to refuse). ValueError naming the line for a line that is not a JSON object."""
+def _source_bytes(file: str) -> bytes:
+    with storage.open_bytes(file) as f:
+        return f.read()
+
+
+def _csv(source: str | bytes, kinds: Kinds):
+    """A CSV file as a polars frame; the text columns stay text (a column of numbers is still
+    a prompt), integers past 64 bits (polars' Int128, which Arrow has not) are read as text."""
     import polars as pl
 
-    rows, deep = [], {}
+    if isinstance(source, str) and storage.is_remote(source):
+        source = _source_bytes(source)
+    text = [c for c, k in kinds.items() if k in ("text", "string", "schema", "stop", "choice")]
+    frame = pl.read_csv(source, infer_schema_length=None,
+                        schema_overrides={c: pl.String for c in text})
+    wide = [c for c, t in frame.schema.items() if t == pl.Int128]
+    return frame.with_columns(pl.col(wide).cast(pl.String)) if wide else frame
+
+
+def _typed_csv(table: pa.Table, kinds: Kinds) -> tuple[pa.Table, BadCells]:
+    """Each integer, number or boolean column of a CSV table that is not of its kind as a whole
+    (a word among numbers: read as text) read cell by cell; the cells that do not fit reported."""
+    bad: BadCells = {}
+    for name in table.column_names:
+        kind = kinds.get(name)
+        if kind not in ("integer", "number", "boolean") or fits(kind, table.column(name).type):
+            continue
+        values, why = [], {}
+        for row, text in enumerate(table.column(name).to_pylist()):
+            value, wrong = text_cell(kind, text)
+            values.append(value)
+            if wrong:
+                why[row] = wrong
+        array = column(kind, values, why)
+        table = table.set_column(table.schema.get_field_index(name), name, array)
+        for row, wrong in why.items():
+            bad.setdefault(row, (name, wrong))
+    return table, bad
+
+
+def _json_fast(source: str | bytes, kinds: Kinds) -> pa.Table | None:
+    """A JSON Lines file through pyarrow's reader, or None where it refuses the file or gives a
+    wanted column not as its kind (a value of another type, an integer read as a float)."""
+    import pyarrow.json as pj
+
+    try:
+        table = pj.read_json(pa.BufferReader(source) if isinstance(source, bytes)
+                             else storage.arrow_source(source))
+    except (pa.ArrowException, OSError):
+        return None
+    for name, kind in kinds.items():
+        if name not in table.column_names:
+            continue
+        t = table.column(name).type
+        if not (fits(kind, t) if kind != "id" else fits("integer", t) or fits("text", t)):
+            return None
+    return table
+
+
+def _json_lines(text: str, kinds: Kinds) -> tuple[pa.Table, BadCells, list[str]]:
+    """JSON Lines read line by line in Python, as pyarrow reads them (blank lines are no rows):
+    (the columns of `kinds`, each cell checked against its kind, the rows with a cell read as
+    null, every column's name in the order first seen). A cell that does not fit, or nests
+    deeper than MAX_DEPTH, is null and reported; a line that is not a JSON object is a row of
+    nulls, reported, where there is no id column (ValueError naming the line where there is
+    one: that row's id is unknown)."""
+    values: dict[str, list] = {name: [] for name in kinds}
+    names: dict[str, None] = {}
+    bad: BadCells = {}
+    text_column = next((c for c, k in kinds.items() if k in ("text", "messages")), "")
+    broken = None  # the first line that is not a JSON object: (its number, why)
+    row = 0
     for number, line in enumerate(text.split("\n"), 1):
         if not line.strip(" \t\r\f\v"):
             continue
@@ -83,48 +139,81 @@ def _json_lines(text: str) -> tuple[object, BadCells]:
             line = line[:start] + "null" + line[end:]
         try:
             obj = json.loads(line)
+            why = None if isinstance(obj, dict) else "is not a JSON object"
         except (ValueError, RecursionError) as e:
-            raise ValueError(f"line {number} is not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise TypeError(f"line {number} is not a JSON object")
+            obj, why = None, f"is not valid JSON ({e})"
+        if why is not None:
+            broken = broken or (number, why)
+            bad[row] = (text_column, f"line {number} {why}")
+            obj = {}
+        names.update(dict.fromkeys(obj))
+        deep = {}
         for path, _, _ in spans:  # the whole column: Arrow's types nest 64 deep at most
-            obj[path.split(".")[0].split("[")[0]] = None
-        if spans:
-            path = spans[0][0]
             shown = path if len(path) <= 60 else path[:57] + "..."
-            column = path.split(".")[0].split("[")[0]
-            deep[len(rows)] = (column, f"{shown} is nested more than {MAX_DEPTH} levels deep")
-        rows.append(obj)
-    return pl.from_dicts(rows, infer_schema_length=None), deep
+            deep.setdefault(path.split(".")[0].split("[")[0],
+                            f"{shown} is nested more than {MAX_DEPTH} levels deep")
+        for name, kind in kinds.items():
+            v = None if name in deep else obj.get(name)
+            if kind != "id":
+                v, wrong = json_cell(kind, v)
+                if wrong or name in deep:
+                    bad.setdefault(row, (name, wrong or deep[name]))
+            values[name].append(v)
+        row += 1
+    id_column = next((c for c, k in kinds.items() if k == "id"), None)
+    if broken is not None and id_column in names:
+        raise ValueError(f"line {broken[0]} {broken[1]}, so the row's {id_column!r} is unknown")
+    arrays = {}
+    for name in (c for c in kinds if c in names):
+        if kinds[name] == "id":
+            try:
+                arrays[name] = pa.array(values[name])
+            except (pa.ArrowException, TypeError, OverflowError) as e:
+                raise ConfigError(f"input.id_column: column {name!r} holds ids of more than "
+                                  f"one type, or integers past 64 bits ({e})") from None
+            continue
+        out_of_range: dict[int, str] = {}
+        arrays[name] = column(kinds[name], values[name], out_of_range)
+        for r, wrong in out_of_range.items():
+            bad.setdefault(r, (name, wrong))
+    table = pa.table(arrays) if arrays else pa.table({"_": pa.nulls(row)}).drop_columns(["_"])
+    return table, bad, list(names)
 
 
-def _polars_lenient(file: str, fmt: str, text_columns: list[str]):
-    """(the file as a polars frame, the marker of bad bytes or None, rows whose too-deep values
-    were read as null): read by polars as it is, and only when polars refuses it, again with
-    bad bytes marked (text_cells.mark_bad_bytes) and (JSON Lines) line by line."""
-    try:
-        return _polars(file, fmt, text_columns), None, {}
-    except Exception as e:  # noqa: BLE001 - polars raises its own kinds, and RecursionError
-        first = e
-    with storage.open_bytes(file) as f:
-        text, marker = mark_bad_bytes(f.read())
+def _text_table(file: str, fmt: str, kinds: Kinds
+                ) -> tuple[pa.Table, str | None, BadCells, list[str]]:
+    """(a JSON Lines or CSV file as an Arrow table, the marker of bad bytes or None, the rows
+    with a cell read as null, the file's column names): read fast as it is; JSON Lines whose
+    wanted columns are not of their kinds line by line (_json_lines); a CSV file polars
+    refuses again with bad bytes marked (text_cells.mark_bad_bytes)."""
     if fmt == "jsonl":
-        frame, deep = _json_lines(text)
-        return frame, marker, deep
-    if marker is None:
-        raise first
+        table = _json_fast(file, kinds)
+        if table is not None:
+            return table, None, {}, table.column_names
+        text, marker = mark_bad_bytes(_source_bytes(file))
+        table, cells, names = _json_lines(text, kinds)
+        return table, marker, cells, names
     try:
-        return _polars(text.encode(), fmt, text_columns), marker, {}
-    except Exception:  # noqa: BLE001 - what is wrong is not what was mended
-        raise first from None
+        table, marker = _csv(file, kinds).to_arrow(), None
+    except Exception as e:  # noqa: BLE001 - polars raises its own kinds
+        text, marker = mark_bad_bytes(_source_bytes(file))
+        if marker is None:
+            raise
+        try:
+            table = _csv(text.encode(), kinds).to_arrow()
+        except Exception:  # noqa: BLE001 - what is wrong is not what was mended
+            raise e from None
+    names = table.column_names
+    table, cells = _typed_csv(table, kinds)
+    return table, marker, cells, names
 
 
-def read_table(file: str, fmt: str, wanted: list[str | None], text_columns: list[str],
+def read_table(file: str, fmt: str, wanted: list[str | None], kinds: Kinds,
                row_groups: list[int] | None = None) -> tuple[pa.Table, BadCells]:
     """The columns of `wanted` that the file has (None entries skipped), as an Arrow table whose
     text is valid UTF-8, and the rows with a cell that was not readable (the module's
-    docstring), by their position in the file. text_columns: read as text whatever they look
-    like (CSV). row_groups: Parquet only."""
+    docstring), by their position in the file. kinds: what the text formats' columns hold
+    (rows/cells.py). row_groups: Parquet only."""
     fmt = file_format(file, fmt)
     try:
         if fmt == "parquet":
@@ -133,16 +222,15 @@ def read_table(file: str, fmt: str, wanted: list[str | None], text_columns: list
             if row_groups is not None:
                 return repair(pf.read_row_groups(row_groups, columns=columns))
             return repair(pf.read(columns=columns))
-        frame, marker, deep = _polars_lenient(file, fmt, text_columns)
+        table, marker, cells, _ = _text_table(file, fmt, kinds)
     except ConfigError:
         raise
     except Exception as e:  # noqa: BLE001 - pyarrow and polars raise their own kinds
         raise _unreadable(file, fmt, e) from None
-    columns = [c for c in dict.fromkeys(wanted) if c in frame.columns]
-    table, bad = repair(frame.select(columns).to_arrow(), marker)
-    for row, (column, why) in deep.items():
-        if column in columns:
-            bad.setdefault(row, (column, why))
+    columns = [c for c in dict.fromkeys(wanted) if c in table.column_names]
+    table, bad = repair(table.select(columns), marker)
+    for row, cell in cells.items():
+        bad.setdefault(row, cell)
     return table, dict(sorted(bad.items()))
 
 
@@ -152,6 +240,6 @@ def row_count(file: str, fmt: str) -> int:
     try:
         if fmt == "parquet":
             return pq.read_metadata(storage.arrow_source(file)).num_rows
-        return _polars_lenient(file, fmt, [])[0].height
+        return _text_table(file, fmt, {})[0].num_rows
     except Exception as e:  # noqa: BLE001 - pyarrow and polars raise their own kinds
         raise _unreadable(file, fmt, e) from None
