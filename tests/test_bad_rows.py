@@ -5,6 +5,7 @@ and the command exits 3."""
 from __future__ import annotations
 
 import pyarrow as pa
+import pyarrow.parquet as pq
 from bad_inputs import (
     DEEP_SCHEMA,
     job_file,
@@ -97,3 +98,18 @@ def test_bad_message_content_is_an_error_row(tmp_path) -> None:
     assert out["b"]["error"] == ("input.messages_column: messages[1].content is not valid UTF-8 "
                                  "(byte 0xe9 at position 4)")
     assert out["a"]["completion_tokens"] == 3 == out["c"]["completion_tokens"]
+
+
+def test_a_float_max_tokens_past_int64_is_an_error_row(tmp_path) -> None:
+    """pandas writes an integer column with nulls as floats: a max_tokens of 1e20 there is its
+    row's error (the plan's int64 count of every setting's max_tokens raised OverflowError, and
+    the job ended with exit 1)."""
+    path = tmp_path / "floats.parquet"
+    pq.write_table(pa.table({"id": ["a", "b", "c"],
+                             "prompt": ["What is a lease?", "Who pays?", "Name a clause."],
+                             "max_tokens": pa.array([4.0, 1e20, None])}), path)
+    job = job_file(tmp_path, "floats", {"path": str(path)})
+    assert run_job(job, progress=False)["rows_error"] == 1
+    out = output_rows(job)
+    assert out["b"]["error"].startswith("max_tokens must be an integer in 1..2147483647, got 1")
+    assert out["a"]["completion_tokens"] == 4 and out["c"]["completion_tokens"] == 3
