@@ -85,6 +85,9 @@ def prepare_output(cfg: JobConfig, writer: CheckpointWriter) -> set | None:
     """Apply output.mode; returns the rows already done, or None when the output is complete
     (resume of this job's final file). Raises JobCannotStart or ConfigError (exit 2)."""
     out = cfg.output.path
+    if storage.is_dir(out):  # no mode replaces a folder: found before the model runs
+        raise JobCannotStart(f"output.path: {out} is a folder; give the path of the file to "
+                             "write")
     exists = storage.exists(out)
     if cfg.output.mode == "error" and (exists or writer.has_checkpoint()):
         what = out if exists else writer.parts_dir

@@ -87,3 +87,23 @@ def test_injected_enospc_stops_with_one_line_and_resume_completes(tmp_path):
     _check_stopped(proc, out, job)
     assert len(list(Path(f"{out}.parts").glob("part-*.parquet"))) == 3
     _resume_gives_the_uninterrupted_file(job, out)
+
+
+@pytest.mark.parametrize("mode", ["error", "overwrite", "resume"])
+def test_an_output_path_that_is_a_folder_is_refused_before_the_run(tmp_path, mode, monkeypatch):
+    """Exit 2 naming output.path, whatever the mode, before the model loads (the run went to
+    the end and then failed to write, exit 1, with advice to resume that could not help)."""
+    job = ops_job(tmp_path, "folder")
+    out = tmp_path / "folder" / "out.parquet"
+    out.mkdir(parents=True)
+    from batchllm.engine import runtime
+
+    def no_model(*args, **kwargs):
+        raise AssertionError("the model was loaded")
+
+    monkeypatch.setattr(runtime.Runtime, "build", no_model)
+    done = run_in_process("run", str(job), "--quiet", "--set", f"output.mode={mode}")
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.strip().endswith(f"output.path: {out} is a folder; give the path of the "
+                                        f"file to write")
+    assert out.is_dir() and not any(out.iterdir())
