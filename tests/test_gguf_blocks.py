@@ -86,6 +86,7 @@ def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_
 
     from batchllm.model.gguf import MARKER
     from batchllm.model.gguf_blocks import take_blocks
+    from batchllm.rows.fingerprint import model_files
 
     gen = np.random.default_rng(2)
     path = write_gguf(tmp_path / "m.gguf", {
@@ -100,8 +101,15 @@ def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"]
     first = dict.fromkeys(names)
+    legacy = folder / "gguf-blocks-0123456789abcdef.safetensors"  # as 935f5ff named them
+    legacy.write_bytes(b"old")
+    weights = model_files(folder)  # what a resume's fingerprint and the panel cache key read
     assert take_blocks(folder, first, tied=True) == 4  # three projections and the lm_head
-    assert len(list(folder.glob("gguf-blocks-*.safetensors"))) == 1
+    assert len(list(folder.glob("gguf-blocks-*.blocks"))) == 1
+    assert not legacy.exists() and model_files(folder) == weights[:-1]  # the legacy one went
+    other = dict.fromkeys(names[:1])  # another set of names: a file beside, both kept
+    assert take_blocks(folder, other, tied=False) == 1
+    assert len(list(folder.glob("gguf-blocks-*.blocks"))) == 2
 
     def read_again(*args, **kwargs):
         raise AssertionError("the .gguf was read again")
@@ -122,7 +130,7 @@ def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_
     monkeypatch.undo()
     monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
     assert take_blocks(folder, dict.fromkeys(names), tied=True) == 4
-    assert len(list(folder.glob("gguf-blocks-*.safetensors"))) == 1  # the old one removed
+    assert len(list(folder.glob("gguf-blocks-*.blocks"))) == 1  # the old ones removed
 
 
 @pytest.mark.parametrize("damage", ["cut", "garbage", "no list", "wrong width"])
@@ -148,7 +156,7 @@ def test_a_damaged_kept_file_is_a_miss_read_again_and_written_whole(tmp_path, mo
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"]
     first = dict.fromkeys(names)
     assert take_blocks(folder, first, tied=True) == 3
-    (kept,) = folder.glob("gguf-blocks-*.safetensors")
+    (kept,) = folder.glob("gguf-blocks-*.blocks")
     whole = kept.read_bytes()
     if damage == "cut":
         kept.write_bytes(whole[: len(whole) // 2])

@@ -13,7 +13,8 @@ applied here to the rows of blocks, the same rows in the same order.
 `take_blocks` puts them in a model's state in place of the converted folder's float32 weights
 (whose pages are then never read), where the model runs on the CPU in float32 from a folder
 batchllm converted from a .gguf file, when BATCHLLM_GGUF_BLOCKS=1. The blocks it read are kept
-in that folder as a safetensors file, keyed by the .gguf's path, size and modification time:
+in that folder (a safetensors file named *.blocks), keyed by the .gguf's path, size and
+modification time:
 gguf's reader parses every metadata field, the tokenizer's vocabulary and merges included (2.4 s
 for SmolLM2's file on a 2-core Xeon), where the kept file loads in milliseconds. Off by default:
 steps of few rows are faster, whole jobs are not (README, GGUF: scripts/bench_blocks.py,
@@ -149,10 +150,15 @@ def take_blocks(folder: Path, state: MutableMapping, tied: bool,
 def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict[str, BlockWeight]:
     """read_blocks(path, names, tied), through the file the folder keeps them in: read from it
     when it is there and whole, else read from the .gguf and written (a folder that cannot be
-    written to is only read)."""
+    written to is only read). The file is a safetensors file named gguf-blocks-<the .gguf's
+    key>-<the names' key>.blocks: not *.safetensors, which the folder's weights, a job's
+    resume fingerprint and the panel cache's key are (a first run with blocks would change
+    them); the kept files of the .gguf as it was before a change are removed."""
     from safetensors.torch import save
 
-    kept = folder / f"gguf-blocks-{file_key(path, str(tied), *sorted(names))[:16]}.safetensors"
+    source = file_key(path)[:12]
+    wanted = file_key(path, str(tied), *sorted(names))[:12]
+    kept = folder / f"gguf-blocks-{source}-{wanted}.blocks"
     found = _read_kept(kept) if kept.is_file() else None
     if found is not None:
         return found
@@ -161,9 +167,9 @@ def _kept_blocks(folder: Path, path: Path, names: list[str], tied: bool) -> dict
         {name: [w.kind, w.in_features] for name, w in found.items()})})
     try:
         write_atomic(kept, lambda f: f.write(data))
-        for old in folder.glob("gguf-blocks-*.safetensors"):  # those of a .gguf since changed
-            if old != kept:
-                old.unlink(missing_ok=True)
+        for old in folder.glob("gguf-blocks-*"):
+            if not old.name.startswith(f"gguf-blocks-{source}-") or old.suffix != ".blocks":
+                old.unlink(missing_ok=True)  # of the .gguf as it was, or named as before
     except OSError:  # a shared cache folder of another user's: read from the .gguf each time
         pass
     return found
