@@ -10,6 +10,7 @@ import os
 from batchllm.config import JobConfig, load_job
 from batchllm.model import memory_plan as mp
 from batchllm.model.families import describe as describe_family
+from batchllm.model.fp8_checkpoint import fp8_checkpoint
 from batchllm.model.hf_cache import load_config
 from batchllm.model.loader import job_model, model_len_limit
 from batchllm.model.resolve import resolve_model
@@ -84,7 +85,8 @@ def _settings(cfg: JobConfig, config, gpu: bool) -> mp.Settings:
     dtype_bytes = {"auto": 2 if gpu else 4, "float32": 4, "bfloat16": 2, "float16": 2}[m.dtype]
     return mp.Settings(
         dtype_bytes=dtype_bytes, kv_bytes=1 if e.kv_cache_dtype == "fp8" else dtype_bytes,
-        fp8_weights=m.quantization == "fp8", tensor_parallel=e.tensor_parallel,
+        fp8_weights=m.quantization == "fp8" or fp8_checkpoint(config),
+        tensor_parallel=e.tensor_parallel,
         kv_cache_memory=e.kv_cache_memory, max_batched_tokens=e.max_batched_tokens,
         max_num_seqs=e.max_num_seqs, page_size=e.page_size,
         max_model_len=model_len_limit(config, m.max_model_len))

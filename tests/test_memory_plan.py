@@ -168,3 +168,27 @@ def test_plan_memory_only_needs_just_config_json(tmp_path: Path) -> None:
     assert report["with_tensor_parallel_2"] == "65.71 GiB weights, 66448 tokens, 8 rows at once"
     bad = run_in_process("plan", str(job), "--memory-only", "--devices", "3xH99")
     assert bad.returncode == 2 and "--devices: '3xH99': unknown device" in bad.stderr
+
+
+def test_an_fp8_checkpoints_plan_counts_its_fp8_projections(tmp_path: Path) -> None:
+    """A checkpoint whose config.json says its projections are FP8 (llm-compressor's
+    compressed-tensors) is planned as it loads: fp8 weights, 67.67 GiB (72,656,371,712 B, as
+    test_llama3_70b's alternative), not the model dtype's 131.42 GiB."""
+    folder = tmp_path / "llama-3-70b-fp8"
+    folder.mkdir()
+    fp8 = {**LLAMA3_70B, "quantization_config": {
+        "quant_method": "compressed-tensors", "format": "float-quantized",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+            "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
+        "ignore": ["lm_head"]}}
+    (folder / "config.json").write_text(json.dumps(fp8))
+    job = tmp_path / "job.yaml"
+    job.write_text(json.dumps({"model": {"path": str(folder)},
+                               "input": {"path": str(tmp_path / "absent.parquet")},
+                               "output": {"path": str(tmp_path / "out.parquet")},
+                               "sampling": {"max_tokens": 64}}))
+    proc = run_in_process("plan", str(job), "--memory-only", "--devices", "1xH200")
+    assert proc.returncode == 0, proc.stderr
+    report = dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
+    assert "; fp8 weights, bfloat16 KV cache" in report["devices"]
+    assert report["weights"] == "67.67 GiB (70.55 B parameters in all)"

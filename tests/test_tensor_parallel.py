@@ -244,3 +244,38 @@ def test_a_cuda_rank_takes_its_own_device_or_says_which_is_missing() -> None:
     missing = torch.cuda.device_count()
     with pytest.raises(ModelError, match=f"rank {missing} needs CUDA device {missing}"):
         rank_device(torch.device("cuda"), missing)
+
+
+def test_a_rank_dying_while_loading_stops_the_start_at_once(monkeypatch) -> None:
+    """Rank 1 killed (as the OOM killer would) before the ranks meet: the start stops within
+    seconds naming it, where rank 0 waited in the rendezvous for its 600 s timeout."""
+    import multiprocessing
+    import time
+
+    load = tensor_parallel.load_model
+
+    def rank_1_killed_first(*args, **kwargs):
+        for child in multiprocessing.active_children():
+            child.kill()
+        return load(*args, **kwargs)
+
+    monkeypatch.setattr(tensor_parallel, "load_model", rank_1_killed_first)
+    started = time.monotonic()
+    with pytest.raises(tensor_parallel.RankFailed,
+                       match=r"rank 1 exited with code -9 while loading its shard"):
+        LLM(str(tiny_model_folder("llama3")), dtype="float32", device="cpu",
+            kv_cache_memory=64 << 20, tensor_parallel=2)
+    assert time.monotonic() - started < 120
+
+
+def test_an_fp8_checkpoint_is_refused_by_tensor_parallel_before_its_weights_load() -> None:
+    from fp8_checkpoints import fp8_checkpoint
+
+    from batchllm.model.errors import ModelError
+
+    folder, _ = fp8_checkpoint(tiny_model_folder("llama"))
+    with pytest.raises(ModelError, match=r"engine.tensor_parallel: FP8 weights \(model."
+                                         r"quantization: fp8, or an FP8 checkpoint\) are not "
+                                         r"split yet"):
+        LLM(str(folder), dtype="float32", device="cpu", kv_cache_memory=64 << 20,
+            tensor_parallel=2)

@@ -6,6 +6,7 @@ import json
 import shutil
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from hf_reference import TINY_KINDS, hf_model, tiny_model_folder
@@ -200,12 +201,26 @@ def test_a_gguf_file_is_converted_once_and_cached(tmp_path: Path, monkeypatch) -
 
 
 def test_a_gguf_file_transformers_cannot_read_is_a_model_error(tmp_path, monkeypatch) -> None:
+    """Not a GGUF file, or one cut inside its header (an interrupted download: gguf's reader
+    raised struct.error, and the job ended with exit 1 naming no file)."""
     monkeypatch.setenv("BATCHLLM_CACHE", str(tmp_path / "cache"))
-    gguf = tmp_path / "broken.gguf"
-    gguf.write_bytes(b"not a gguf file")
-    with pytest.raises(ModelNotFoundError, match=f"{gguf}: could not convert the GGUF file"):
-        resolve_model(str(gguf))
+    from gguf_files import random_weight, write_gguf
+
+    whole = write_gguf(tmp_path / "whole.gguf", {"blk.0.attn_q.weight": (
+        random_weight(np.random.default_rng(0), 64, 64), "Q8_0")}, heads=(4, 2)).read_bytes()
+    for name, data in (("broken.gguf", b"not a gguf file"), ("cut.gguf", whole[:40])):
+        gguf = tmp_path / name
+        gguf.write_bytes(data)
+        with pytest.raises(ModelNotFoundError, match=f"{gguf}: could not convert the GGUF file"):
+            resolve_model(str(gguf))
     assert not list((tmp_path / "cache" / "models").iterdir())  # no half-written folder
+
+
+def test_a_missing_relative_gguf_path_is_no_hub_id(tmp_path, monkeypatch) -> None:
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ModelNotFoundError, match="model.path: models/x.gguf: no such folder or "
+                                                 ".gguf file"):
+        resolve_model("models/x.gguf")
 
 
 def test_longrope_limits_the_length_to_the_short_factors_range() -> None:

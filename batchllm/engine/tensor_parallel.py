@@ -17,6 +17,7 @@ from __future__ import annotations
 import atexit
 import dataclasses
 import os
+import queue
 import socket
 import threading
 import time
@@ -27,6 +28,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from batchllm.model.attention import PagedAttention, StepMetadata, kv_cache_dtype
+from batchllm.model.errors import ModelError
 from batchllm.model.loader import LoadedModel, load_model
 
 _STOP, _HIDDEN, _LOGITS = "stop", "hidden", "logits"
@@ -136,10 +138,18 @@ def _exit_with(parent: int) -> None:
     threading.Thread(target=watch, daemon=True, name="batchllm-rank-0-watch").start()
 
 
-def _worker(rank: int, n: int, port: int, model: str, kwargs: dict, parent: int) -> None:
+def _worker(rank: int, n: int, port: int, model: str, kwargs: dict, parent: int,
+            loaded_ranks) -> None:
     _exit_with(parent)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // n))
-    loaded = load_model(model, shard=(rank, n), **kwargs)
+    try:
+        loaded = load_model(model, shard=(rank, n), **kwargs)
+    except Exception as e:  # noqa: BLE001 - told to rank 0, which stops the job with it
+        loaded_ranks.put((rank, (type(e).__name__, str(e))))
+        loaded_ranks.close()
+        loaded_ranks.join_thread()
+        os._exit(1)
+    loaded_ranks.put((rank, None))
     _init(rank, n, port, loaded.device)
     (pool,) = _receive()[0]
     num_pages, page_size, kv_setting = pool
@@ -176,22 +186,54 @@ def _receive() -> list:
 
 
 def start(model: str, n: int, load_kwargs: dict) -> tuple[LoadedModel, Group]:
-    """Spawn ranks 1..n-1, load rank 0's shard here, join the group: (rank 0's model, group)."""
+    """Spawn ranks 1..n-1, load rank 0's shard here, join the group: (rank 0's model, group).
+    The ranks join only once every one has loaded its shard: one that fails or dies while
+    loading stops the start at once, naming it (its error, or its exit code), where rank 0
+    waited in the rendezvous for its 600 s timeout, deaf to SIGTERM; the others are stopped."""
     global _current
     if _current is not None:  # one group per process: an earlier runtime's ranks stop
         _current.close()
     port = _free_port()
     ctx = mp.get_context("spawn")
-    procs = [ctx.Process(target=_worker, args=(r, n, port, model, load_kwargs, os.getpid()),
-                         daemon=True)
+    loaded_ranks = ctx.Queue()  # (rank, None) once loaded, (rank, why) when its load failed
+    procs = [ctx.Process(target=_worker, args=(r, n, port, model, load_kwargs, os.getpid(),
+                                               loaded_ranks), daemon=True)
              for r in range(1, n)]
     for p in procs:
         p.start()
-    loaded = load_model(model, shard=(0, n), **load_kwargs)
-    _init(0, n, port, loaded.device)
+    try:
+        loaded = load_model(model, shard=(0, n), **load_kwargs)
+        _await_loads(procs, loaded_ranks)
+        _init(0, n, port, loaded.device)
+    except BaseException:
+        for p in procs:
+            p.kill()
+        raise
     group = _current = Group(procs, loaded)
     atexit.register(group.close)
     return loaded, group
+
+
+def _await_loads(procs: list, loaded_ranks) -> None:
+    """Until every spawned rank has loaded its shard: ModelError with its message where its
+    load raised one, RankFailed where it failed otherwise or died (SIGKILL, the OOM killer)."""
+    waiting = set(range(1, len(procs) + 1))
+    while waiting:
+        try:
+            rank, why = loaded_ranks.get(timeout=0.5)
+        except queue.Empty:
+            dead = [(r, procs[r - 1].exitcode) for r in sorted(waiting)
+                    if procs[r - 1].exitcode is not None]
+            if dead:
+                r, code = dead[0]
+                raise RankFailed(f"engine.tensor_parallel: rank {r} exited with code {code} "
+                                 f"while loading its shard; the job stops") from None
+            continue
+        if why is not None:
+            kind, message = why
+            raise (ModelError(message) if kind == "ModelError" else RankFailed(
+                f"engine.tensor_parallel: rank {rank} failed to load its shard: {message}"))
+        waiting.discard(rank)
 
 
 def share_pool(group: Group, num_pages: int, page_size: int, kv_setting: str) -> None:

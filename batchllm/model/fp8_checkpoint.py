@@ -81,11 +81,17 @@ def take_kv_scales(state: MutableMapping, num_layers: int,
     return KvScales(scales["k"], scales["v"])
 
 
-def _quantization_config(config) -> dict | None:
+def quantization_config(config) -> dict | None:
+    """The checkpoint's quantization_config as a dict; None where it has none."""
     q = getattr(config, "quantization_config", None)
     if q is None or isinstance(q, dict):
         return q
     return q.to_dict()
+
+
+def fp8_checkpoint(config) -> bool:
+    """Whether the checkpoint's projections are FP8 (a quantization_config of METHODS)."""
+    return (quantization_config(config) or {}).get("quant_method") in METHODS
 
 
 def _blocks(q: dict) -> tuple[int, int] | None:
@@ -140,7 +146,7 @@ def take_fp8_weights(config, state: MutableMapping, quantization: str | None, dt
     (fp8_weights.py says which); with quantization "fp8", every projection still in a float
     dtype is quantized per channel. partial_rotary: the attention's weights are permuted at
     load (model/rotary.py), so they stay dense."""
-    q = _quantization_config(config)
+    q = quantization_config(config)
     if q is not None and q.get("quant_method") not in METHODS:
         raise ModelError(f"model.path: quantization_config.quant_method "
                          f"{q.get('quant_method')!r} is not supported (FP8 checkpoints: "

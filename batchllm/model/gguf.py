@@ -13,6 +13,7 @@ import importlib.util
 import json
 import os
 import shutil
+import struct
 import tempfile
 from pathlib import Path
 
@@ -86,7 +87,8 @@ def _convert_once(name: str, source: Path, gguf_name: str, info: dict[str, str])
     try:
         try:
             _convert_gguf(source, gguf_name, tmp)
-        except (ValueError, KeyError, OSError) as e:  # transformers' words for a bad file
+        except (ValueError, KeyError, OSError, struct.error) as e:  # transformers' words for
+            # a bad file; struct.error: one cut inside its header (an interrupted download)
             raise ModelNotFoundError(f"model.path: {source / gguf_name}: could not convert the "
                                      f"GGUF file: {e}") from e
         (tmp / MARKER).write_text(json.dumps(info))

@@ -14,7 +14,12 @@ from batchllm.model import tokenizer as tokenizers
 from batchllm.model.decoder import DecoderModel, model_shape
 from batchllm.model.errors import ModelError
 from batchllm.model.families import describe
-from batchllm.model.fp8_checkpoint import KvScales, take_fp8_weights, take_kv_scales
+from batchllm.model.fp8_checkpoint import (
+    KvScales,
+    quantization_config,
+    take_fp8_weights,
+    take_kv_scales,
+)
 from batchllm.model.gguf_blocks import take_blocks
 from batchllm.model.hf_cache import load_config
 from batchllm.model.resolve import resolve_model
@@ -109,11 +114,13 @@ def load_model(
     dev = pick_device(device) if shard is None else rank_device(pick_device(device), shard[0])
     dt = pick_dtype(dtype, dev)
     folder = resolve_model(path, revision)
-    describe(load_config(folder))  # an unsupported family fails before its weights are read
+    found = load_config(folder)
+    describe(found)  # an unsupported family fails before its weights are read
+    if shard is not None and (quantization is not None or quantization_config(found)):
+        raise ModelError("engine.tensor_parallel: FP8 weights (model.quantization: fp8, or an "
+                         "FP8 checkpoint) are not split yet; use tensor_parallel: 1")
     config, state = load_weights(folder, dt, dev)
     if shard is not None:
-        if quantization is not None:
-            raise ModelError("engine.tensor_parallel: FP8 weights are not split yet")
         limit = model_len_limit(config, max_model_len)
         model = load_shard(config, state, limit, folder, *shard)
         tokenizer = tokenizers.load(folder)

@@ -27,7 +27,7 @@ def resolve_model(path: str, revision: str | None = None, config_only: bool = Fa
         folder = gguf.alias_folder(alias)
     elif local.suffix.lower() == ".gguf" and local.is_file():
         folder = gguf.gguf_folder(local.resolve())
-    elif hub.is_hub_id(path) and not local.exists():
+    elif hub.is_hub_id(path) and not local.exists() and local.suffix.lower() != ".gguf":
         return _checked(hub.hub_folder(path, revision, config_only), config_only)
     else:
         if local.exists():
