@@ -122,9 +122,9 @@ def test_error_messages(d, message):
 
 
 def test_the_jobs_own_constraints_that_compile_pass():
-    for given in ({"regex": "[a-z]+"}, {"json_schema": {"type": "object"}},
-                  {"choice": ["yes", "no"]}):
-        job_from_dict(_with("sampling", **given))
+    for spec in ({"regex": "[a-z]+"}, {"json_schema": {"type": "object"}},
+                 {"choice": ["yes", "no"]}):
+        job_from_dict(_with("sampling", **spec))
 
 
 def test_all_errors_reported_at_once():

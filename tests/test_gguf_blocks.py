@@ -78,26 +78,33 @@ def test_the_default_models_blocks_are_its_converted_weights():
                            f.get_tensor("model.embed_tokens.weight"))
 
 
+def converted(tmp_path, monkeypatch, tensors: dict) -> tuple:
+    """(a .gguf of `tensors` written here, a converted folder of it), blocks on."""
+    from batchllm.model.gguf import MARKER
+
+    path = write_gguf(tmp_path / "m.gguf", tensors, heads=(4, 2))
+    folder = tmp_path / "converted"
+    folder.mkdir()
+    (folder / MARKER).write_text(json.dumps({"gguf": str(path)}))
+    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+    return path, folder
+
+
 def test_the_blocks_read_are_kept_and_read_again_only_when_the_file_changes(tmp_path, monkeypatch):
     """take_blocks reads a .gguf's blocks once: a later load of the same converted folder takes
     them from the file kept there (gguf's reader, which parses the whole vocabulary, is not
     called), the same blocks; once the .gguf's modification time changes it is read again."""
     import gguf
 
-    from batchllm.model.gguf import MARKER
     from batchllm.model.gguf_blocks import take_blocks
     from batchllm.rows.fingerprint import model_files
 
     gen = np.random.default_rng(2)
-    path = write_gguf(tmp_path / "m.gguf", {
+    path, folder = converted(tmp_path, monkeypatch, {
         "blk.0.attn_q.weight": (random_weight(gen, 64, 64), "Q4_1"),
         "blk.0.attn_k.weight": (random_weight(gen, 32, 64), "Q8_0"),
         "blk.0.ffn_down.weight": (random_weight(gen, 64, 96), "Q4_0"),
-        "token_embd.weight": (random_weight(gen, 50, 64), "Q8_0")}, heads=(4, 2))
-    folder = tmp_path / "converted"
-    folder.mkdir()
-    (folder / MARKER).write_text(json.dumps({"gguf": str(path)}))
-    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+        "token_embd.weight": (random_weight(gen, 50, 64), "Q8_0")})
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight",
              "model.layers.0.mlp.down_proj.weight", "model.layers.0.input_layernorm.weight"]
     first = dict.fromkeys(names)
@@ -141,18 +148,13 @@ def test_a_damaged_kept_file_is_a_miss_read_again_and_written_whole(tmp_path, mo
     .gguf is read again, the same blocks, and a whole file written in its place."""
     from safetensors.torch import save
 
-    from batchllm.model.gguf import MARKER
     from batchllm.model.gguf_blocks import take_blocks
 
     gen = np.random.default_rng(3)
-    path = write_gguf(tmp_path / "m.gguf", {
+    _, folder = converted(tmp_path, monkeypatch, {
         "blk.0.attn_q.weight": (random_weight(gen, 64, 64), "Q4_1"),
         "blk.0.ffn_down.weight": (random_weight(gen, 64, 96), "Q8_0"),
-        "token_embd.weight": (random_weight(gen, 50, 64), "Q4_0")}, heads=(4, 2))
-    folder = tmp_path / "converted"
-    folder.mkdir()
-    (folder / MARKER).write_text(json.dumps({"gguf": str(path)}))
-    monkeypatch.setenv("BATCHLLM_GGUF_BLOCKS", "1")
+        "token_embd.weight": (random_weight(gen, 50, 64), "Q4_0")})
     names = ["model.layers.0.self_attn.q_proj.weight", "model.layers.0.mlp.down_proj.weight"]
     first = dict.fromkeys(names)
     assert take_blocks(folder, first, tied=True) == 3

@@ -146,18 +146,29 @@ def test_mixtral_8x7b(tmp_path: Path) -> None:
     assert (wider.kv_tokens, wider.rows_at_max_len) == (494_768, 15)
 
 
-def test_plan_memory_only_needs_just_config_json(tmp_path: Path) -> None:
-    folder = tmp_path / "llama-3-70b"
+def config_only_job(tmp_path: Path, config: dict) -> Path:
+    """A job whose model folder holds config.json alone, and whose input does not exist."""
+    folder = tmp_path / "model"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(LLAMA3_70B))
+    (folder / "config.json").write_text(json.dumps(config))
     job = tmp_path / "job.yaml"
     job.write_text(json.dumps({"model": {"path": str(folder)},
                                "input": {"path": str(tmp_path / "absent.parquet")},
                                "output": {"path": str(tmp_path / "out.parquet")},
                                "sampling": {"max_tokens": 64}}))
-    proc = run_in_process("plan", str(job), "--memory-only", "--devices", "8xH100")
+    return job
+
+
+def memory_only(job: Path, devices: str) -> dict[str, str]:
+    """`batchllm plan JOB --memory-only --devices DEVICES`, its lines as a dict."""
+    proc = run_in_process("plan", str(job), "--memory-only", "--devices", devices)
     assert proc.returncode == 0, proc.stderr
-    report = dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
+    return dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
+
+
+def test_plan_memory_only_needs_just_config_json(tmp_path: Path) -> None:
+    job = config_only_job(tmp_path, LLAMA3_70B)
+    report = memory_only(job, "8xH100")
     assert report["model_family"] == "llama"
     assert report["devices"].startswith("8x H100, 79.19 GiB each; tensor_parallel 1, 8 copies")
     assert report["weights"] == "131.42 GiB (70.55 B parameters in all)"
@@ -174,21 +185,11 @@ def test_an_fp8_checkpoints_plan_counts_its_fp8_projections(tmp_path: Path) -> N
     """A checkpoint whose config.json says its projections are FP8 (llm-compressor's
     compressed-tensors) is planned as it loads: fp8 weights, 67.67 GiB (72,656,371,712 B, as
     test_llama3_70b's alternative), not the model dtype's 131.42 GiB."""
-    folder = tmp_path / "llama-3-70b-fp8"
-    folder.mkdir()
     fp8 = {**LLAMA3_70B, "quantization_config": {
         "quant_method": "compressed-tensors", "format": "float-quantized",
         "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
             "num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True}}},
         "ignore": ["lm_head"]}}
-    (folder / "config.json").write_text(json.dumps(fp8))
-    job = tmp_path / "job.yaml"
-    job.write_text(json.dumps({"model": {"path": str(folder)},
-                               "input": {"path": str(tmp_path / "absent.parquet")},
-                               "output": {"path": str(tmp_path / "out.parquet")},
-                               "sampling": {"max_tokens": 64}}))
-    proc = run_in_process("plan", str(job), "--memory-only", "--devices", "1xH200")
-    assert proc.returncode == 0, proc.stderr
-    report = dict(line.split(None, 1) for line in proc.stdout.strip().splitlines())
+    report = memory_only(config_only_job(tmp_path, fp8), "1xH200")
     assert "; fp8 weights, bfloat16 KV cache" in report["devices"]
     assert report["weights"] == "67.67 GiB (70.55 B parameters in all)"

@@ -195,7 +195,7 @@ def _text_table(file: str, fmt: str, kinds: Kinds
         return table, marker, cells, names
     try:
         table, marker = _csv(file, kinds).to_arrow(), None
-    except Exception as e:  # noqa: BLE001 - polars raises its own kinds
+    except Exception as e:  # polars raises its own kinds
         text, marker = mark_bad_bytes(_source_bytes(file))
         if marker is None:
             raise
