@@ -58,7 +58,12 @@ def _json_cell(kind: str, v: object) -> object:
             return int(v)
         return v if isinstance(v, int) and not isinstance(v, bool) else _MISFIT
     if kind == "number":
-        return float(v) if isinstance(v, (int, float)) and not isinstance(v, bool) else _MISFIT
+        if not isinstance(v, (int, float)) or isinstance(v, bool):
+            return _MISFIT
+        try:
+            return float(v)
+        except OverflowError:  # an integer past a float's range: infinite, for the row's check
+            return float("inf") if v > 0 else float("-inf")
     if kind == "boolean":
         return v if isinstance(v, bool) else _MISFIT
     if kind == "schema":
