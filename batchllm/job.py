@@ -250,12 +250,13 @@ def _final_format(cfg: JobConfig, rows: InputRows | InputIndex):
     if isinstance(rows, InputRows) and rows.prompts_as_is:
         kinds = ["chat" if m is not None else "completion" for m in rows.messages]
     created = int(time.time())
-    # a token id's text, for the results' log-probabilities (the tokenizer loaded only if asked)
-    from batchllm.model.tokenizer import lazy_token_text
+    # a token id's text and bytes, for the results' log-probabilities (the tokenizer loaded
+    # only if asked)
+    from batchllm.model.tokenizer import lazy_token_pieces
 
     return lambda groups, schema, f: write_results(groups, f, kinds, cfg.model.path, created,
-                                                   lazy_token_text(cfg.model.path,
-                                                                   cfg.model.revision))
+                                                   lazy_token_pieces(cfg.model.path,
+                                                                     cfg.model.revision))
 
 
 def _metadata(cfg: JobConfig) -> dict[str, str]:

@@ -144,7 +144,7 @@ def test_results_lines_have_openai_shape():
 def test_results_carry_logprobs_in_openai_shape(smollm2_folder):
     """The `logprobs` column as OpenAI writes it: chat content entries with the token's text and
     bytes; completions' tokens / token_logprobs / top_logprobs."""
-    from batchllm.model.tokenizer import load_tokenizer
+    from batchllm.model.tokenizer import load_tokenizer, token_pieces
 
     tokenizer = load_tokenizer(smollm2_folder)
     hello, world = tokenizer.encode("Hello world", add_special_tokens=False)[:2]
@@ -154,7 +154,7 @@ def test_results_carry_logprobs_in_openai_shape(smollm2_folder):
                       "completion_tokens": [1, 1], "cached_tokens": [0, 0], "error": [None, None],
                       "logprobs": [values, values]})
     buf = io.BytesIO()
-    write_results(table, buf, ["chat", "completion"], "m", 1, lambda t: tokenizer.decode([t]))
+    write_results(table, buf, ["chat", "completion"], "m", 1, token_pieces(tokenizer))
     chat, cmpl = [json.loads(x)["response"]["body"]["choices"][0]["logprobs"]
                   for x in buf.getvalue().decode().splitlines()]
     word = tokenizer.decode([world])
@@ -163,6 +163,25 @@ def test_results_carry_logprobs_in_openai_shape(smollm2_folder):
                                                    "bytes": list(word.encode())}]}]}
     assert cmpl == {"tokens": ["Hello"], "token_logprobs": [-0.5],
                     "top_logprobs": [{word: -1.5}]}
+
+
+def test_a_tokens_bytes_are_its_share_of_a_character_it_splits():
+    """OpenAI's `bytes` of a log-probability: a byte-level token that splits a character
+    decodes alone to U+FFFD, and its bytes are what it holds, so the tokens' bytes joined are
+    the text's UTF-8 (the text's own encoding of each token alone gave U+FFFD's bytes)."""
+    from batchllm.model.tokenizer import load, token_pieces
+
+    tokenizer = load(tiny_model_folder("llama"))
+    piece = token_pieces(tokenizer)
+    for text in ("はい、日本語です。", "Ünïcödé naïve café", "plain ascii", "emoji 🙂 too"):
+        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        pieces = [piece(i) for i in ids]
+        assert b"".join(raw for _, raw in pieces) == tokenizer.decode(ids).encode(), text
+        assert [t for t, _ in pieces] == [tokenizer.decode([i]) for i in ids]
+    split = [piece(i) for i in tokenizer("はい", add_special_tokens=False)["input_ids"]]
+    assert any(t == "\ufffd" for t, _ in split)  # a token the old bytes got wrong
+    eos = tokenizer.eos_token_id  # an added token: its text's bytes
+    assert piece(eos) == (tokenizer.decode([eos]), tokenizer.decode([eos]).encode())
 
 
 def test_batch_file_round_trips_through_a_job(tmp_path: Path):

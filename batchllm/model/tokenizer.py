@@ -148,18 +148,51 @@ def load_tokenizer(folder: Path):
     return tokenizer
 
 
-def lazy_token_text(path: str, revision: str | None = None):
-    """`text(token_id) -> str` for the model at `path` (an alias, folder, file or hub id); the
-    tokenizer is loaded at the first call, so a caller that never asks loads none."""
-    tokenizer = None
+def lazy_token_pieces(path: str, revision: str | None = None):
+    """`piece(token_id) -> (text, bytes)` for the model at `path` (an alias, folder, file or hub
+    id): token_pieces of its tokenizer, loaded at the first call, so a caller that never asks
+    loads none."""
+    piece = None
 
-    def text(token_id: int) -> str:
-        nonlocal tokenizer
-        if tokenizer is None:
-            tokenizer = load(resolve_model(path, revision))
-        return tokenizer.decode([token_id])
+    def lazy(token_id: int) -> tuple[str, bytes]:
+        nonlocal piece
+        if piece is None:
+            piece = token_pieces(load(resolve_model(path, revision)))
+        return piece(token_id)
 
-    return text
+    return lazy
+
+
+def _byte_level_alphabet() -> dict[str, int]:
+    """The byte each character of a byte-level BPE vocabulary stands for (GPT-2's table, which
+    the tokenizers library's ByteLevel uses): printable bytes as themselves, the others shifted
+    past 255 in order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    chars = {b: b for b in printable}
+    for n, b in enumerate(b for b in range(256) if b not in chars):
+        chars[b] = 256 + n
+    return {chr(c): b for b, c in chars.items()}
+
+
+def token_pieces(tokenizer):
+    """`piece(token_id) -> (text, bytes)`: the token's text decoded alone, and its bytes. A
+    byte-level tokenizer's token is bytes (OpenAI's `bytes` of a log-probability): a token that
+    splits a character decodes alone to U+FFFD, and its bytes are its share of the character.
+    Other tokenizers, and added tokens: the text's UTF-8."""
+    backend = getattr(tokenizer, "_backend", None) or getattr(tokenizer, "backend_tokenizer", None)
+    decoder = (json.loads(backend.to_str()).get("decoder") or {}) if backend else {}
+    kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
+    alphabet = _byte_level_alphabet() if "ByteLevel" in kinds else None
+    added = set(backend.get_added_tokens_decoder()) if alphabet else set()
+
+    def piece(token_id: int) -> tuple[str, bytes]:
+        text = tokenizer.decode([token_id])
+        raw = backend.id_to_token(token_id) if alphabet and token_id not in added else None
+        if raw is None or any(c not in alphabet for c in raw):
+            return text, text.encode()
+        return text, bytes(alphabet[c] for c in raw)
+
+    return piece
 
 
 def eos_token_ids(folder: Path, config: Any, tokenizer: Any) -> set[int]:

@@ -25,29 +25,31 @@ def _hex(*parts: object) -> str:
     return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
-TokenText = Callable[[int], str]  # a token id's text, as the tokenizer decodes it alone
+# a token id's (text, bytes): its text as the tokenizer decodes it alone; its bytes as the token
+# holds them (a byte-level token that splits a character: part of it, where its text is U+FFFD)
+TokenPiece = Callable[[int], tuple[str, bytes]]
 
 
-def _logprobs(kind: str, values: list[dict] | None, text: TokenText | None) -> dict | None:
+def _logprobs(kind: str, values: list[dict] | None, text: TokenPiece | None) -> dict | None:
     """The `logprobs` column of one line in OpenAI's shape: chat `{"content": [{token, logprob,
     bytes, top_logprobs}]}`, completions `{tokens, token_logprobs, top_logprobs}`."""
     if values is None or text is None:
         return None
     if kind == "chat":
         def entry(token_id: int, logprob: float) -> dict:
-            t = text(token_id)
-            return {"token": t, "logprob": logprob, "bytes": list(t.encode())}
+            t, raw = text(token_id)
+            return {"token": t, "logprob": logprob, "bytes": list(raw)}
 
         return {"content": [{**entry(v["token_id"], v["logprob"]),
                              "top_logprobs": [entry(a["token_id"], a["logprob"])
                                               for a in v["top"]]} for v in values]}
-    return {"tokens": [text(v["token_id"]) for v in values],
+    return {"tokens": [text(v["token_id"])[0] for v in values],
             "token_logprobs": [v["logprob"] for v in values],
-            "top_logprobs": [{text(a["token_id"]): a["logprob"] for a in v["top"]}
+            "top_logprobs": [{text(a["token_id"])[0]: a["logprob"] for a in v["top"]}
                              for v in values]}
 
 
-def _choice(kind: str, index: int, line: dict, text: TokenText | None) -> dict:
+def _choice(kind: str, index: int, line: dict, text: TokenPiece | None) -> dict:
     choice: dict[str, Any] = {"index": index}
     if kind == "chat":
         choice["message"] = {"role": "assistant", "content": line["completion"]}
@@ -59,7 +61,7 @@ def _choice(kind: str, index: int, line: dict, text: TokenText | None) -> dict:
 
 
 def result_line(kind: str, samples: list[dict], model: str, created: int,
-                text: TokenText | None = None) -> dict:
+                text: TokenPiece | None = None) -> dict:
     """One results line from the output rows of one input row (one per sample, in order)."""
     first = samples[0]
     custom_id = str(first["id"])
@@ -85,11 +87,11 @@ def result_line(kind: str, samples: list[dict], model: str, created: int,
 
 
 def write_results(groups: pa.Table | Iterable[pa.Table], f: IO[bytes], kinds: list[str] | str,
-                  model: str, created: int, text: TokenText | None = None) -> None:
+                  model: str, created: int, text: TokenPiece | None = None) -> None:
     """The final table, or its groups in order (each holding whole rows), as results lines,
     written group by group. With a `sample` column, consecutive lines of one id are its samples.
-    kinds: per input row, or for all rows, "chat" or "completion"; text: a token id's text, for
-    the log-probabilities (the `logprobs` column)."""
+    kinds: per input row, or for all rows, "chat" or "completion"; text: a token id's text and
+    bytes, for the log-probabilities (the `logprobs` column)."""
     row = 0
     for table in [groups] if isinstance(groups, pa.Table) else groups:
         lines = table.to_pylist()
