@@ -92,14 +92,17 @@ def test_streamed_results_jsonl_equal_those_of_the_whole_table(tmp_path):
     shutil.copytree(writer.parts_dir, tmp_path / "parts")
     kinds = ["chat" if i % 2 else "completion" for i in range(30)]
 
+    def piece(token_id: int) -> tuple[str, bytes]:
+        return f"<{token_id}>", f"<{token_id}>".encode()
+
     def results(groups, schema, f):
-        write_results(groups, f, kinds, "m", 7, lambda t: f"<{t}>")
+        write_results(groups, f, kinds, "m", 7, piece)
 
     writer.finalize(pa.string(), {}, True, True, num_rows=30, write_final=results,
                     group_bytes=2048)
     whole = io.BytesIO()
     write_results(concatenated(tmp_path / "parts", pa.string(), {}), whole, kinds, "m", 7,
-                  lambda t: f"<{t}>")
+                  piece)
     lines = (tmp_path / "o.jsonl").read_bytes()
     assert lines == whole.getvalue() and len(lines.splitlines()) == 30
 
