@@ -35,7 +35,7 @@ import torch
 
 from batchllm.model.gguf import file_key, source_file
 from batchllm_kernels.atomic_write import write_atomic
-from batchllm_kernels.cpu.blocks import BLOCK, TYPES
+from batchllm_kernels.cpu.blocks import BLOCK, TYPES, check_blocks
 
 # the weights read as blocks: a layer's attention and dense MLP projections, and the lm_head
 PROJECTION = re.compile(r"^(model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|"
@@ -186,11 +186,8 @@ def _read_kept(kept: Path) -> dict[str, BlockWeight] | None:
             listed = json.loads((f.metadata() or {})["blocks"])  # name -> [kind, in_features]
             found = {name: BlockWeight(f.get_tensor(name), kind, int(k))
                      for name, (kind, k) in listed.items()}
+        for w in found.values():
+            check_blocks(w.blocks, w.kind, w.in_features)  # ValueError: a type or width off
     except (SafetensorError, OSError, KeyError, TypeError, ValueError):
         return None
-    for w in found.values():
-        if (w.kind not in TYPES or w.blocks.dtype != torch.uint8 or w.blocks.dim() != 2
-                or w.in_features % BLOCK
-                or w.blocks.shape[1] != w.in_features // BLOCK * TYPES[w.kind][1]):
-            return None
     return found

@@ -18,6 +18,7 @@ the token ids that end a sequence.
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 from pathlib import Path
@@ -185,6 +186,7 @@ def token_pieces(tokenizer):
     alphabet = _byte_level_alphabet() if "ByteLevel" in kinds else None
     added = set(backend.get_added_tokens_decoder()) if alphabet else set()
 
+    @functools.cache  # a results file asks for the same ids over and over (every top-k)
     def piece(token_id: int) -> tuple[str, bytes]:
         text = tokenizer.decode([token_id])
         raw = backend.id_to_token(token_id) if alphabet and token_id not in added else None

@@ -7,38 +7,25 @@ from __future__ import annotations
 import pyarrow as pa
 
 from batchllm.config import ConfigError
+from batchllm.rows.cells import FIELD_KINDS, fits
+
+_WORDS = {  # a kind of rows/cells.py -> the column's words in a message
+    "integer": "integers", "number": "numbers", "boolean": "booleans",
+    "schema": "strings (a JSON schema per row)", "string": "strings",
+    "choice": "lists of strings, or strings holding a JSON list",
+    "stop": "strings or lists of strings"}
 
 
-def _is_text(t: pa.DataType) -> bool:
-    return pa.types.is_string(t) or pa.types.is_large_string(t)
-
-
-def _is_text_or_texts(t: pa.DataType) -> bool:
-    return _is_text(t) or (
-        (pa.types.is_list(t) or pa.types.is_large_list(t)) and _is_text(t.value_type))
-
-
-COLUMN_KINDS = {  # sampling field -> (arrow type test, words for the message)
-    "max_tokens": (pa.types.is_integer, "integers"),
-    "n": (pa.types.is_integer, "integers"),
-    "logprobs": (pa.types.is_integer, "integers"),
-    "json_schema": (_is_text, "strings (a JSON schema per row)"),
-    "regex": (_is_text, "strings"),
-    "choice": (_is_text_or_texts, "lists of strings, or strings holding a JSON list"),
-    "top_k": (pa.types.is_integer, "integers"),
-    "seed": (pa.types.is_integer, "integers"),
-    "temperature": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "top_p": (lambda t: pa.types.is_integer(t) or pa.types.is_floating(t), "numbers"),
-    "ignore_eos": (pa.types.is_boolean, "booleans"),
-    "stop": (_is_text_or_texts, "strings or lists of strings"),
-}
+def integral_field(name: str) -> bool:
+    """Whether the sampling field holds integers (a float column of them is read by value)."""
+    return FIELD_KINDS.get(name) == "integer"
 
 
 def check_override(name: str, t: pa.DataType) -> None:
-    ok, words = COLUMN_KINDS.get(name, (lambda t: True, ""))
-    if not (ok(t) or pa.types.is_null(t)):
+    kind = FIELD_KINDS.get(name)
+    if kind is not None and not fits(kind, t):
         raise ConfigError(f"input column {name!r} (per-row sampling.{name}) has type "
-                          f"{t}; expected {words}")
+                          f"{t}; expected {_WORDS[kind]}")
 
 
 def _integral(v: float | None) -> int | float | None:
@@ -54,7 +41,7 @@ def override(name: str, col: pa.ChunkedArray) -> list:
     is left for the row's check to make an error row, so one bad row does not stop the job."""
     if pa.types.is_dictionary(col.type):
         col = col.cast(col.type.value_type)
-    if pa.types.is_floating(col.type) and COLUMN_KINDS.get(name, (0, ""))[1] == "integers":
+    if pa.types.is_floating(col.type) and integral_field(name):
         return [_integral(v) for v in col.to_pylist()]
     check_override(name, col.type)
     values = col.to_pylist()

@@ -25,7 +25,7 @@ from batchllm.rows import storage
 from batchllm.rows.cells import FIELD_KINDS
 from batchllm.rows.json_lines import lines
 from batchllm.rows.openai_batch import parse_batch
-from batchllm.rows.overrides import COLUMN_KINDS, check_override, override
+from batchllm.rows.overrides import check_override, integral_field, override
 from batchllm.rows.tables import EXTENSIONS, BadCells, column_names, read_table
 
 
@@ -170,7 +170,7 @@ def _check_schema(schema: pa.Schema, cfg: InputConfig,
     for name in sampling_fields:
         if name in schema.names and name != text:
             t = value_type(name)
-            if not (pa.types.is_floating(t) and COLUMN_KINDS.get(name, (0, ""))[1] == "integers"):
+            if not (pa.types.is_floating(t) and integral_field(name)):
                 check_override(name, t)
 
 

@@ -46,7 +46,8 @@ def type_id(kind: str) -> int:
     return TYPES[kind][0]
 
 
-def _check(blocks: torch.Tensor, kind: str, k: int) -> None:
+def check_blocks(blocks: torch.Tensor, kind: str, k: int) -> None:
+    """ValueError unless `blocks` are contiguous uint8 [N, K / 32 * block bytes] of `kind`."""
     want = k // BLOCK * TYPES[kind][1] if kind in TYPES else type_id(kind)
     if (blocks.dtype != torch.uint8 or blocks.dim() != 2 or k % BLOCK
             or blocks.shape[1] != want or not blocks.is_contiguous()):
@@ -57,7 +58,7 @@ def _check(blocks: torch.Tensor, kind: str, k: int) -> None:
 def _rows(x: torch.Tensor, blocks: torch.Tensor, kind: str) -> torch.Tensor:
     if x.dtype != torch.float32 or x.dim() != 2:
         raise ValueError(f"cpu_blocks: float32 [M, K] expected, got {x.dtype} {tuple(x.shape)}")
-    _check(blocks, kind, x.shape[1])
+    check_blocks(blocks, kind, x.shape[1])
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
@@ -92,7 +93,7 @@ def linear_argmax(x: torch.Tensor, blocks: torch.Tensor, kind: str,
 
 def dequantize(blocks: torch.Tensor, kind: str, k: int) -> torch.Tensor:  # [N, K] float32
     """The weight the products see: the kernel's own dequantization of every block."""
-    _check(blocks, kind, k)
+    check_blocks(blocks, kind, k)
     n = blocks.shape[0]
     count = -(-n // PANEL)
     panels = torch.empty(count, k, PANEL, dtype=torch.float32)
