@@ -92,8 +92,9 @@ def test_streamed_results_jsonl_equal_those_of_the_whole_table(tmp_path):
     shutil.copytree(writer.parts_dir, tmp_path / "parts")
     kinds = ["chat" if i % 2 else "completion" for i in range(30)]
 
-    def piece(token_id: int) -> tuple[str, bytes]:
-        return f"<{token_id}>", f"<{token_id}>".encode()
+    def piece(token_id: int, first: bool) -> tuple[str, bytes]:
+        text = f"<{token_id}>" if first else f" <{token_id}>"
+        return text, text.encode()
 
     def results(groups, schema, f):
         write_results(groups, f, kinds, "m", 7, piece)

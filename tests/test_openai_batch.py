@@ -184,6 +184,89 @@ def test_a_tokens_bytes_are_its_share_of_a_character_it_splits():
     assert piece(eos) == (tokenizer.decode([eos]), tokenizer.decode([eos]).encode())
 
 
+def _sentencepiece_tokenizer(style: str):
+    """A Llama-2-style tokenizer made offline: BPE with byte fallback over a small vocabulary
+    (<unk> <s> </s>, the 256 tokens <0x00>..<0xFF>, a few "▁" words), no Japanese or emoji, so
+    those fall back to bytes. style: "llama2" (Llama 2's tokenizer.json: Prepend and Replace
+    normalizer, decoders Replace "▁", ByteFallback, Fuse, Strip), "llama2-metaspace" (what
+    transformers 5's LlamaTokenizer builds: a Metaspace pre-tokenizer, the same decoders),
+    "gemma" (Replace normalizer, no Strip: a first token keeps its space), "metaspace" (the
+    Metaspace decoder, then ByteFallback and Fuse)."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{b:02X}>": 3 + b for b in range(256)}}
+    merges = [("▁", "H"), ("▁H", "e"), ("l", "l"), ("ll", "o"), ("▁He", "llo"), ("▁", "w"),
+              ("o", "r"), ("or", "ld"), ("▁w", "orld"), ("▁", "t"), ("▁t", "o")]
+    for token in ["▁", "H", "e", "l", "o", "w", "r", "d", "t", "ld", *map("".join, merges)]:
+        vocab.setdefault(token, len(vocab))
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, unk_token="<unk>",
+                               byte_fallback=True, fuse_unk=True))
+    llama = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse(),
+             decoders.Strip(" ", 1, 0)]
+    if style == "llama2":
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"),
+                                               normalizers.Replace(" ", "▁")])
+        tok.decoder = decoders.Sequence(llama)
+    elif style == "llama2-metaspace":
+        tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence(llama)
+    elif style == "gemma":
+        tok.normalizer = normalizers.Replace(" ", "▁")
+        tok.decoder = decoders.Sequence(llama[:3])
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Metaspace("▁", prepend_scheme="first", split=False)
+        tok.decoder = decoders.Sequence([decoders.Metaspace("▁", prepend_scheme="first",
+                                                            split=False), *llama[1:3]])
+    tok.add_special_tokens(["<unk>", "<s>", "</s>"])
+    return PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="<unk>", bos_token="<s>",
+                                   eos_token="</s>")
+
+
+@pytest.mark.parametrize("style", ["llama2", "llama2-metaspace", "gemma", "metaspace"])
+def test_a_byte_fallback_tokens_bytes_are_its_byte(style: str, tmp_path: Path):
+    """SentencePiece-style tokenizers: a byte-fallback token (<0xE3>, part of a character
+    outside the vocabulary) decodes alone to U+FFFD, and its bytes are its one byte; a "▁" word
+    reads with its space ("▁Hello": " Hello"), but first in a sequence as the completion's
+    decode gives it (a Strip or Metaspace decoder drops that space). So the tokens' bytes joined
+    are the decoded text's UTF-8, through transformers' tokenizer and through load()'s own."""
+    from batchllm.model.tokenizer import load, token_pieces
+
+    hf = _sentencepiece_tokenizer(style)
+    hf.save_pretrained(tmp_path)
+    load(tmp_path)  # transformers' tokenizer, and its backend cached
+    for tokenizer in (hf, load(tmp_path)):
+        piece = token_pieces(tokenizer)
+        for text in ("Hello world", "はい、日本語です。", "Hello 🙂 world to", " Hello  to\nい",
+                     "to はい"):
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+            pieces = [piece(i, first=k == 0) for k, i in enumerate(ids)]
+            decoded = tokenizer.decode(ids)
+            assert b"".join(raw for _, raw in pieces) == decoded.encode(), (style, text)
+            if "\ufffd" not in "".join(t for t, _ in pieces):  # no character split
+                assert "".join(t for t, _ in pieces) == decoded, (style, text)
+        japanese = tokenizer("はい", add_special_tokens=False)["input_ids"]
+        assert "<0xE3>" in hf.convert_ids_to_tokens(japanese)  # it fell back to bytes
+        assert piece(hf.convert_tokens_to_ids("<0xE3>")) == ("\ufffd", b"\xe3")
+        assert piece(hf.convert_tokens_to_ids("<0x0A>")) == ("\n", b"\n")
+        hello = hf.convert_tokens_to_ids("▁Hello")
+        assert piece(hello) == (" Hello", b" Hello")
+        first = " Hello" if style == "gemma" else "Hello"
+        assert piece(hello, first=True) == (first, first.encode())
+        eos = tokenizer.eos_token_id  # an added token: its text's bytes
+        assert piece(eos) == ("</s>", b"</s>")
+    # a results file's chat entries: the first token read as the completion's first
+    ids = hf("Hello world to", add_special_tokens=False)["input_ids"]
+    values = [{"token_id": i, "logprob": -1.0, "top": []} for i in ids]
+    table = pa.table({"id": ["a"], "completion": [hf.decode(ids)], "finish_reason": ["length"],
+                      "prompt_tokens": [3], "completion_tokens": [len(ids)],
+                      "cached_tokens": [0], "error": [None], "logprobs": [values]})
+    buf = io.BytesIO()
+    write_results(table, buf, ["chat"], "m", 1, token_pieces(hf))
+    content = json.loads(buf.getvalue())["response"]["body"]["choices"][0]["logprobs"]["content"]
+    assert bytes(b for e in content for b in e["bytes"]) == hf.decode(ids).encode()
+
+
 def test_batch_file_round_trips_through_a_job(tmp_path: Path):
     (tmp_path / "batch.jsonl").write_text("\n".join(_batch_file()) + "\n")
     job = {"name": "openai", "model": {"path": str(tiny_model_folder("llama")), "device": "cpu"},

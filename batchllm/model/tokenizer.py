@@ -150,16 +150,16 @@ def load_tokenizer(folder: Path):
 
 
 def lazy_token_pieces(path: str, revision: str | None = None):
-    """`piece(token_id) -> (text, bytes)` for the model at `path` (an alias, folder, file or hub
-    id): token_pieces of its tokenizer, loaded at the first call, so a caller that never asks
-    loads none."""
+    """`piece(token_id, first=False) -> (text, bytes)` for the model at `path` (an alias, folder,
+    file or hub id): token_pieces of its tokenizer, loaded at the first call, so a caller that
+    never asks loads none."""
     piece = None
 
-    def lazy(token_id: int) -> tuple[str, bytes]:
+    def lazy(token_id: int, first: bool = False) -> tuple[str, bytes]:
         nonlocal piece
         if piece is None:
             piece = token_pieces(load(resolve_model(path, revision)))
-        return piece(token_id)
+        return piece(token_id, first)
 
     return lazy
 
@@ -175,22 +175,62 @@ def _byte_level_alphabet() -> dict[str, int]:
     return {chr(c): b for b, c in chars.items()}
 
 
+# the decoders of a SentencePiece-style vocabulary (Llama 2, Mistral, Gemma): "▁" for a space
+# (Replace or Metaspace), byte-fallback tokens <0xHH> (ByteFallback), the start's space stripped
+# (Strip, Metaspace); a decoder of these alone is read as one
+_SENTENCEPIECE = {"Replace", "Metaspace", "ByteFallback", "Fuse", "Strip"}
+
+
+def _fallback_byte(raw: str) -> int | None:
+    """The byte of a byte-fallback token ("<0xE3>"), as the ByteFallback decoder reads it."""
+    if len(raw) == 6 and raw.startswith("<0x") and raw.endswith(">"):
+        with contextlib.suppress(ValueError):
+            return int(raw[3:5], 16)
+    return None
+
+
 def token_pieces(tokenizer):
-    """`piece(token_id) -> (text, bytes)`: the token's text decoded alone, and its bytes. A
-    byte-level tokenizer's token is bytes (OpenAI's `bytes` of a log-probability): a token that
-    splits a character decodes alone to U+FFFD, and its bytes are its share of the character.
-    Other tokenizers, and added tokens: the text's UTF-8."""
+    """`piece(token_id, first=False) -> (text, bytes)`: the token's text and its bytes (OpenAI's
+    `bytes` of a log-probability), such that the bytes of a sequence's tokens joined are its
+    decoded text's UTF-8 (where they are UTF-8: the decode writes U+FFFD for bytes that are
+    not). The tokenizer's kind is read from its backend (its decoders):
+
+    - byte-level BPE (GPT-2, Llama 3, Qwen): the text decoded alone, the bytes the token holds
+      (one that splits a character decodes alone to U+FFFD; its bytes are its share of it);
+    - SentencePiece-style (decoders Replace "▁" / Metaspace, ByteFallback, Fuse, Strip: Llama 2,
+      Mistral, Gemma): a byte-fallback token <0xHH> of a byte past ASCII (part of a character)
+      decodes alone to U+FFFD and its bytes are that one byte; any other token: its text as it
+      reads after another token ("▁Hello": " Hello") and that text's UTF-8. `first`: the token
+      as it reads first in a sequence, where a Strip or Metaspace decoder drops the leading
+      space (decoded alone: "Hello"), as the decode of a completion does with its first token;
+    - other tokenizers, and added tokens: the text decoded alone and its UTF-8."""
     backend = getattr(tokenizer, "_backend", None) or getattr(tokenizer, "backend_tokenizer", None)
     decoder = (json.loads(backend.to_str()).get("decoder") or {}) if backend else {}
     kinds = {d.get("type") for d in decoder.get("decoders", [decoder])}
     alphabet = _byte_level_alphabet() if "ByteLevel" in kinds else None
-    added = set(backend.get_added_tokens_decoder()) if alphabet else set()
+    spm = alphabet is None and kinds <= _SENTENCEPIECE  # (no decoder: kinds is {None})
+    added = set(backend.get_added_tokens_decoder()) if alphabet or spm else set()
+
+    def after_another(raw: str) -> str | None:
+        """The token's text decoded after another token's (no start to strip), by the
+        backend's own decoder; None where that other token's text does not stay in front."""
+        anchor = backend.decoder.decode(["a"])
+        both = backend.decoder.decode(["a", raw])
+        return both[len(anchor):] if both.startswith(anchor) else None
 
     @functools.cache  # a results file asks for the same ids over and over (every top-k)
-    def piece(token_id: int) -> tuple[str, bytes]:
+    def piece(token_id: int, first: bool = False) -> tuple[str, bytes]:
         text = tokenizer.decode([token_id])
-        raw = backend.id_to_token(token_id) if alphabet and token_id not in added else None
-        if raw is None or any(c not in alphabet for c in raw):
+        kept = (alphabet or spm) and token_id not in added
+        raw = backend.id_to_token(token_id) if kept else None
+        if raw is not None and spm:
+            byte = _fallback_byte(raw) if "ByteFallback" in kinds else None
+            if byte is not None and byte >= 0x80:
+                return text, bytes([byte])
+            if not first:
+                text = after_another(raw) or text
+            return text, text.encode()
+        if not alphabet or raw is None or any(c not in alphabet for c in raw):
             return text, text.encode()
         return text, bytes(alphabet[c] for c in raw)
 

@@ -25,9 +25,11 @@ def _hex(*parts: object) -> str:
     return hashlib.blake2b("\x00".join(map(str, parts)).encode(), digest_size=12).hexdigest()
 
 
-# a token id's (text, bytes): its text as the tokenizer decodes it alone; its bytes as the token
-# holds them (a byte-level token that splits a character: part of it, where its text is U+FFFD)
-TokenPiece = Callable[[int], tuple[str, bytes]]
+# (a token id, whether it is the completion's first) -> its (text, bytes): as it reads in the
+# completion's text (model/tokenizer.py token_pieces: a SentencePiece token's leading space is
+# dropped first only), its bytes as the token holds them (a token that splits a character:
+# its share, where its text is U+FFFD)
+TokenPiece = Callable[[int, bool], tuple[str, bytes]]
 
 
 def _logprobs(kind: str, values: list[dict] | None, text: TokenPiece | None) -> dict | None:
@@ -36,17 +38,18 @@ def _logprobs(kind: str, values: list[dict] | None, text: TokenPiece | None) -> 
     if values is None or text is None:
         return None
     if kind == "chat":
-        def entry(token_id: int, logprob: float) -> dict:
-            t, raw = text(token_id)
+        def entry(token_id: int, logprob: float, first: bool) -> dict:
+            t, raw = text(token_id, first)
             return {"token": t, "logprob": logprob, "bytes": list(raw)}
 
-        return {"content": [{**entry(v["token_id"], v["logprob"]),
-                             "top_logprobs": [entry(a["token_id"], a["logprob"])
-                                              for a in v["top"]]} for v in values]}
-    return {"tokens": [text(v["token_id"])[0] for v in values],
+        return {"content": [{**entry(v["token_id"], v["logprob"], n == 0),
+                             "top_logprobs": [entry(a["token_id"], a["logprob"], n == 0)
+                                              for a in v["top"]]}
+                            for n, v in enumerate(values)]}
+    return {"tokens": [text(v["token_id"], n == 0)[0] for n, v in enumerate(values)],
             "token_logprobs": [v["logprob"] for v in values],
-            "top_logprobs": [{text(a["token_id"])[0]: a["logprob"] for a in v["top"]}
-                             for v in values]}
+            "top_logprobs": [{text(a["token_id"], n == 0)[0]: a["logprob"] for a in v["top"]}
+                             for n, v in enumerate(values)]}
 
 
 def _choice(kind: str, index: int, line: dict, text: TokenPiece | None) -> dict:
