@@ -7,10 +7,12 @@ import json
 
 import pytest
 from bad_inputs import DEEP_ARRAY, job_file, output_rows
+from job_files import run_in_process
 
 from batchllm import run_job
 from batchllm.config import SAMPLING_FIELDS, InputConfig
 from batchllm.rows import json_lines
+from batchllm.rows.blocks import count_rows
 from batchllm.rows.openai_batch import parse_batch
 from batchllm.rows.reader import read_input
 
@@ -172,3 +174,102 @@ def test_cells_of_the_wrong_type_in_jsonl_and_csv_are_error_rows(tmp_path) -> No
     assert out["d"]["error"] == f"sampling.seed {per_row}: {2**70} is out of range (64-bit " \
                                 f"integers)"
     assert out["a"]["completion_tokens"] == 3 == out["c"]["completion_tokens"]
+
+
+RAGGED_CSV = (b"prompt,temperature,max_tokens\n"
+              b"Does clause 4 allow subletting?,0.5,\n"
+              b"Who pays, the tenant or the landlord?,0.5,2\n"  # an unquoted comma: 4 fields
+              b'"Name a clause\nof the lease.",0,2\n'  # one record on lines 4-5
+              b"Name a party.,0.7\n"  # cut short: polars padded it with a null
+              b"\n"
+              b'"Who \xff pays?",0.5,\n'
+              b"Name a clause.,hot,\n"
+              b'"What law, if any, governs it?",,1\r\n')
+RAGGED_ERRORS = {
+    1: "input.prompt_column: CSV record on line 3 has 4 fields, the header has 3",
+    3: "input.prompt_column: CSV record on line 6 has 2 fields, the header has 3",
+    4: "input.prompt_column: CSV line 7 is empty, the header has 3 fields",
+    5: "input.prompt_column: prompt is not valid UTF-8",
+    6: 'sampling.temperature (a per-row input column): expected a number, got "hot"',
+}
+
+
+def test_ragged_csv_records_are_error_rows(tmp_path) -> None:
+    """A CSV record with more fields than the header (polars refused the whole file: exit 2),
+    with fewer (polars padded it with nulls: it ran on the job's defaults) or none (a blank
+    line: a row of nulls) fails its own row, naming its line (a quoted cell spanning lines
+    counted); the other rows run with their cells as polars reads them (a bad byte and a word
+    among numbers still fail their rows), and `plan` and the row count agree with `run`."""
+    path = tmp_path / "in.csv"
+    path.write_bytes(RAGGED_CSV)
+    job = job_file(tmp_path, "ragged", {"path": str(path)}, ignore_eos=True)
+    proc = run_in_process("run", str(job), "--quiet")
+    assert proc.returncode == 3, proc.stderr
+    out = output_rows(job)
+    assert list(out) == list(range(8))
+    for row, why in RAGGED_ERRORS.items():
+        assert out[row]["error"] == why and out[row]["finish_reason"] == "error", out[row]
+    assert [out[r]["completion_tokens"] for r in (0, 2, 7)] == [3, 2, 1]  # its max_tokens
+    assert all(out[r]["error"] is None for r in (0, 2, 7))
+    rows = read_input(InputConfig(path=str(path)))
+    assert rows.prompts[2] == "Name a clause\nof the lease."
+    assert rows.prompts[7] == "What law, if any, governs it?"
+    assert rows.overrides["max_tokens"] == [None, None, 2, None, None, None, None, 1]
+    assert rows.overrides["temperature"][:3] == [0.5, None, 0.0]
+    plan = run_in_process("plan", str(job))
+    assert plan.returncode == 0, plan.stderr
+    report = dict(line.split(None, 1) for line in plan.stdout.splitlines() if line.strip())
+    assert (report["rows"], report["rows_with_errors"]) == ("8", "5")
+    assert count_rows(InputConfig(path=str(path))) == 8
+
+
+@pytest.mark.parametrize("spanning", [False, True])
+def test_a_csv_record_cut_short_is_an_error_row_not_padded(tmp_path, spanning: bool) -> None:
+    """polars reads a record with fewer fields than the header, or a blank line, padding it
+    with nulls (the row ran on the job's defaults, or failed as a null prompt): it is an error
+    row naming its line, found from the lines of the rows with a null last cell, or, where a
+    cell spans lines, by reading every record. An empty last cell is no such record."""
+    first = '"Does clause 4\nallow subletting?"' if spanning else "Does clause 4 allow subletting?"
+    path = tmp_path / "in.csv"
+    path.write_text(f"prompt,max_tokens\n{first},2\nName a party.\n\nWho pays?,\n"
+                    f"What law governs it?,1\n")
+    job = job_file(tmp_path, "short", {"path": str(path)}, ignore_eos=True)
+    proc = run_in_process("run", str(job), "--quiet")
+    assert proc.returncode == 3, proc.stderr
+    out = output_rows(job)
+    line = 4 if spanning else 3
+    assert out[1]["error"] == \
+        f"input.prompt_column: CSV record on line {line} has 1 field, the header has 2"
+    assert out[2]["error"] == \
+        f"input.prompt_column: CSV line {line + 1} is empty, the header has 2 fields"
+    assert [out[r]["error"] for r in (0, 3, 4)] == [None] * 3
+    assert [out[r]["completion_tokens"] for r in (0, 3, 4)] == [2, 3, 1]
+    assert len(out) == count_rows(InputConfig(path=str(path))) == 5
+
+
+def test_a_ragged_csv_record_with_ids_or_an_open_quote_refuses_the_file(tmp_path) -> None:
+    """Where the rows have ids, a ragged record's id is unknown (a comma too many may be in
+    any cell; a record cut short may be the start of the next): the file is refused, exit 2,
+    naming the line, as with a broken JSON line (polars refused such a file, not naming it, or
+    padded the record). A quote never closed swallows the rest of the file: refused, naming
+    the line where its record starts, ids or not."""
+    path = tmp_path / "in.csv"
+    job = job_file(tmp_path, "ids", {"path": str(path)})
+    start = "id,prompt,temperature\na,Does clause 4 allow subletting?,0.5\n"
+    unknown = "so the row's 'id' is unknown"
+    open_quote = ("the CSV record on line 3 opens a quote that is never closed (the file ends "
+                  "inside it)")
+    cases = [(start + "b,Who pays, the tenant?,0.5\nc,Name a party.\n",
+              (f"CSV record on line 3 has 4 fields, the header has 3, {unknown}; 2 records "
+               f"in all do not have the header's fields")),
+             (start + "b,Who pays?,0.5\nc,Name a party.\n",
+              f"CSV record on line 4 has 2 fields, the header has 3, {unknown}"),
+             (start + 'b,"Who pays?,0.5\nc,Name a party.,0.5\n', open_quote),
+             ('prompt\nDoes clause 4 allow subletting?\n"Who pays?\nName a party.\n', open_quote)]
+    for text, why in cases:
+        path.write_text(text)
+        for command in ("run", "plan"):
+            proc = run_in_process(command, str(job), *(["--quiet"] if command == "run" else []))
+            assert proc.returncode == 2, proc.stderr
+            assert proc.stderr.strip() == \
+                f"batchllm: error: input.path: cannot read {path} as CSV: {why}", proc.stderr

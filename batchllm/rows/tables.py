@@ -14,6 +14,8 @@ in JSON Lines, a value nested deeper than config.limits.MAX_DEPTH, and a line th
 object when the rows have no id column (with one, the row's id is unknown: the file is refused,
 naming the line). A JSON Lines file whose wanted columns pyarrow's reader does not give as
 their kinds is read line by line in Python (also a number such as 1e400, read as infinite).
+In CSV, a record with more or fewer fields than the header (a blank line too), which polars
+refuses or pads, is reported the same way, naming its line (rows/csv_records.py).
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ import pyarrow.parquet as pq
 
 from batchllm.config import ConfigError
 from batchllm.config.limits import MAX_DEPTH, too_deep_spans
-from batchllm.rows import storage
+from batchllm.rows import csv_records, storage
 from batchllm.rows.cells import column, fits, json_cell, text_cell
 from batchllm.rows.text_cells import mark_bad_bytes, repair
 
@@ -184,8 +186,8 @@ def _text_table(file: str, fmt: str, kinds: Kinds
                 ) -> tuple[pa.Table, str | None, BadCells, list[str]]:
     """(a JSON Lines or CSV file as an Arrow table, the marker of bad bytes or None, the rows
     with a cell read as null, the file's column names): read fast as it is; JSON Lines whose
-    wanted columns are not of their kinds line by line (_json_lines); a CSV file polars
-    refuses again with bad bytes marked (text_cells.mark_bad_bytes)."""
+    wanted columns are not of their kinds line by line (_json_lines); a CSV file through
+    _csv_table."""
     if fmt == "jsonl":
         table = _json_fast(file, kinds)
         if table is not None:
@@ -193,19 +195,44 @@ def _text_table(file: str, fmt: str, kinds: Kinds
         text, marker = mark_bad_bytes(_source_bytes(file))
         table, cells, names = _json_lines(text, kinds)
         return table, marker, cells, names
-    try:
-        table, marker = _csv(file, kinds).to_arrow(), None
-    except Exception as e:  # polars raises its own kinds
-        text, marker = mark_bad_bytes(_source_bytes(file))
-        if marker is None:
-            raise
-        try:
-            table = _csv(text.encode(), kinds).to_arrow()
-        except Exception:  # noqa: BLE001 - what is wrong is not what was mended
-            raise e from None
+    table, marker, cells = _csv_table(file, kinds)
     names = table.column_names
-    table, cells = _typed_csv(table, kinds)
+    table, typed = _typed_csv(table, kinds)
+    for row, cell in typed.items():
+        cells.setdefault(row, cell)
     return table, marker, cells, names
+
+
+def _csv_table(file: str, kinds: Kinds) -> tuple[pa.Table, str | None, BadCells]:
+    """(a CSV file as polars reads it, the marker of bad bytes or None, its ragged records):
+    polars reads the file, again with bad bytes marked where it refuses them; where it still
+    refuses it, or a null in the last column may be a record cut short, it is read around the
+    records whose field count is not the header's (rows/csv_records.py)."""
+    frame = error = text = marker = None
+    try:
+        frame = _csv(file, kinds)
+    except Exception as e:  # noqa: BLE001 - polars raises its own kinds
+        error = e
+        text, marker = mark_bad_bytes(_source_bytes(file))
+        if marker is not None:
+            try:
+                frame = _csv(text.encode(), kinds)
+            except Exception:  # noqa: BLE001, S110 - ragged too, perhaps: read around below
+                pass
+    if frame is not None and not csv_records.may_be_short(
+            frame, lambda: text if text is not None else _source_bytes(file)):
+        return frame.to_arrow(), marker, {}
+    if text is None:
+        text, marker = mark_bad_bytes(_source_bytes(file))
+    id_column = next((c for c, k in kinds.items() if k == "id"), None)
+    got = csv_records.read_around(text, lambda kept: _csv(kept.encode(), kinds).to_arrow(),
+                                  None if frame is None else frame.height, id_column)
+    if got is None:  # no ragged record, or none that polars and the csv module agree on
+        if frame is None:
+            raise error
+        return frame.to_arrow(), marker, {}
+    text_column = next((c for c, k in kinds.items() if k in ("text", "messages")), "")
+    return got[0], marker, {row: (text_column, why) for row, why in got[1].items()}
 
 
 def read_table(file: str, fmt: str, wanted: list[str | None], kinds: Kinds,
