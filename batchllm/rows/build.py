@@ -61,6 +61,9 @@ def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
         if not msgs:
             errors[i] = f"input.{cfg.messages_column}: the messages are null or empty"
             return
+        if (null := _null_message_field(msgs)) is not None:  # Parquet's structs hold nulls
+            errors[i] = f"input.messages_column: {null} is null"
+            return
         if cfg.system_prompt and msgs[0].get("role") != "system":
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
         convs[i] = msgs
@@ -74,6 +77,16 @@ def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
         convs[i] = conversation(prompt, cfg.system_prompt)
     else:
         plain[i] = prompt
+
+
+def _null_message_field(msgs: list[dict]) -> str | None:
+    """The first messages[j].role or messages[j].content that is null (a null message is left
+    out by the reader)."""
+    for j, m in enumerate(msgs):
+        for name in ("role", "content"):
+            if m.get(name) is None:
+                return f"messages[{j}].{name}"
+    return None
 
 
 def _batched(fn: Callable[[list], list], items: dict[int, object], errors: dict[int, str],
