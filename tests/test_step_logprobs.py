@@ -47,8 +47,9 @@ def test_records_are_the_tensors_values() -> None:
     logits = torch.randn(4, 50, generator=g)
     logits[2, 3:] = float("-inf")  # row 2: 3 allowed, k 5 -> 3 alternatives kept
     tokens = torch.tensor([7, 2, 1, 40])
-    step = token_logprobs(logits, [1.0, 0.5, 0.0, 2.0], tokens, [5, 5, 5, 2])
     lp = torch.log_softmax(logits / torch.tensor([1.0, 0.5, 1.0, 2.0])[:, None], dim=-1)
+    step = token_logprobs(logits, [1.0, 0.5, 0.0, 2.0], tokens, [5, 5, 5, 2])  # overwrites
+    assert torch.equal(logits, lp)  # them: no [4, 50] temporaries
     slots = RowSlots(4)
     taken = [slots.take(3, Params(logprobs=5)) for _ in range(4)]
     log = LogprobLog(slots, capacity=2)  # compacted to make room

@@ -143,15 +143,19 @@ def token_logprobs(
     greedy rows use temperature 1 (the model's own distribution). Before top-k/top-p: those
     truncate the draw, and would make every logprob 0 or -inf under top_k 1. Left as tensors
     (step_logprobs.py), their copies to the host started on CUDA; alternatives the mask forbids
-    (-inf) are left out of a record's `top`. In row chunks on the CPU (row_chunks)."""
+    (-inf) are left out of a record's `top`. In row chunks on the CPU (row_chunks). The logits
+    are overwritten with the log-probabilities (the sampler has read them): two [R, V] float32
+    temporaries fewer, on CUDA memory the KV pool keeps, on the CPU bytes streamed."""
     dev = logits.device
     temperature = np.asarray(temperature, dtype=np.float64)
     t = torch.from_numpy(np.where(temperature > 0, temperature, 1.0).astype(np.float32)).to(dev)
     tokens = torch.as_tensor(tokens, dtype=torch.int64, device=dev)  # [R]
     kmax = int(np.max(k))
     parts = []
-    for c in row_chunks(logits.shape[0], logits.shape[1], dev):
-        lp = torch.log_softmax(logits[c] / t[c, None], dim=-1)  # [r, V]
-        parts.append((lp.gather(1, tokens[c, None])[:, 0], *lp.topk(kmax, dim=-1)))
+    with torch.inference_mode():  # the forward's logits are inference tensors
+        for c in row_chunks(logits.shape[0], logits.shape[1], dev):
+            lp = logits[c]  # [r, V] a view: overwritten, no [r, V] temporaries
+            torch.log_softmax(lp.div_(t[c, None]), dim=-1, out=lp)
+            parts.append((lp.gather(1, tokens[c, None])[:, 0], *lp.topk(kmax, dim=-1)))
     chosen, top_lp, top_id = (p[0] if len(parts) == 1 else torch.cat(p) for p in zip(*parts))
     return StepLogprobs(tokens, chosen, top_lp, top_id).start()  # [R], [R, kmax], [R, kmax]
