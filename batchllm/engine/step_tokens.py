@@ -38,9 +38,10 @@ class StepTokens:
     def sample(self, logits, idx: np.ndarray
                ) -> tuple[torch.Tensor, tuple[StepLogprobs, np.ndarray] | None]:
         """logits [S, V] fp32, one row per sequence sampling (a fresh tensor or the step's own
-        output: masked in place, then overwritten by token_logprobs); idx [S]: their slots. Returns the sampled ids [S] (on the
-        device, not read) and the log-probabilities of the rows that ask for them (with their
-        indices into idx). Adds the sampling kernels' seconds to kernel_seconds."""
+        output: masked in place, then overwritten by token_logprobs); idx [S]: their slots.
+        Returns the sampled ids [S] (on the device, not read) and the log-probabilities of the
+        rows that ask for them (with their indices into idx). Adds the sampling kernels'
+        seconds to kernel_seconds."""
         slots = self.slots
         constrained = (slots.constrained[idx] & ~slots.finished[idx]).nonzero()[0].tolist()
         if constrained:  # the masks are filled before the logits are first read: on CUDA the
