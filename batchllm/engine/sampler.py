@@ -123,9 +123,10 @@ def sample_ids(
                 probs, ids = filtered_probs(
                     logits[idx], t, torch.from_numpy(top_k[rows]).to(dev),
                     torch.from_numpy(top_p[rows].astype(np.float32)).to(dev))
-            else:
-                probs, ids = torch.softmax(logits[idx] / t[:, None], dim=-1), None  # [R, V]
-            cdf = torch.cumsum(probs.double(), dim=-1)  # [R, V]
+            else:  # in the rows' own copy: no [R, V] temporaries
+                probs, ids = logits[idx].div_(t[:, None]), None  # [R, V]
+                torch.softmax(probs, dim=-1, out=probs)
+            cdf = torch.cumsum(probs, dim=-1, dtype=torch.float64)  # [R, V]
             u = torch.from_numpy(uniforms(keys[rows], counters[rows])).to(dev)  # [R] fp64
             pick = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True).clamp_(
                 max=vocab - 1)  # [R, 1]
