@@ -273,3 +273,15 @@ def test_a_ragged_csv_record_with_ids_or_an_open_quote_refuses_the_file(tmp_path
             assert proc.returncode == 2, proc.stderr
             assert proc.stderr.strip() == \
                 f"batchllm: error: input.path: cannot read {path} as CSV: {why}", proc.stderr
+
+
+def test_a_byte_order_mark_before_a_quoted_header_is_not_part_of_it(tmp_path) -> None:
+    """Excel's "CSV UTF-8" begins with a byte-order mark, which polars drops: the count of the
+    header's fields drops it too (it split '"prompt, text"' in two, and every record was
+    ragged)."""
+    path = tmp_path / "in.csv"
+    path.write_bytes(b'\xef\xbb\xbf"prompt, text",max_tokens\n"a\nb",1\nc\nd,2\n')
+    rows = read_input(InputConfig(path=str(path), prompt_column="prompt, text"))
+    assert rows.prompts == ["a\nb", None, "d"]
+    assert rows.errors == {
+        1: "input.prompt_column: CSV record on line 4 has 1 field, the header has 2"}

@@ -105,16 +105,17 @@ def test_a_null_role_or_content_is_an_error_row_naming_it(tmp_path) -> None:
     field (the chat template's own message was "'dict object' has no attribute 'role'")."""
     kind = pa.list_(pa.struct([("role", pa.string()), ("content", pa.string())]))
     msgs = pa.array([[{"role": "user", "content": "What is a lease?"}],
-                     [{"role": "user", "content": "Hi."}, {"role": None, "content": "Who?"}],
-                     [{"role": "user", "content": None}]], kind)
+                     [{"role": "user", "content": "Hi."}, None, {"role": None, "content": "Who?"}],
+                     [{"role": "user", "content": None}],
+                     [None, {"role": "user", "content": "Name a clause."}]], kind)
     path = tmp_path / "chats.parquet"
-    pq.write_table(pa.table({"id": ["a", "b", "c"], "messages": msgs}), path)
+    pq.write_table(pa.table({"id": ["a", "b", "c", "d"], "messages": msgs}), path)
     job = job_file(tmp_path, "chats", {"path": str(path), "messages_column": "messages"})
     assert run_job(job, progress=False)["rows_error"] == 2
     out = output_rows(job)
-    assert out["b"]["error"] == "input.messages_column: messages[1].role is null"
+    assert out["b"]["error"] == "input.messages_column: messages[2].role is null"  # null kept
     assert out["c"]["error"] == "input.messages_column: messages[0].content is null"
-    assert out["a"]["completion_tokens"] == 3
+    assert out["a"]["completion_tokens"] == 3 == out["d"]["completion_tokens"]  # null left out
 
 
 def test_a_float_max_tokens_past_int64_is_an_error_row(tmp_path) -> None:

@@ -58,11 +58,12 @@ def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
           errors: dict) -> None:
     if rows.messages is not None and (rows.prompts is None or rows.messages[i] is not None):
         msgs = rows.messages[i]
+        if msgs and (null := _null_message_field(msgs)) is not None:  # Parquet's structs
+            errors[i] = f"input.messages_column: {null} is null"
+            return
+        msgs = [m for m in msgs or () if m is not None]  # a null message is left out
         if not msgs:
             errors[i] = f"input.{cfg.messages_column}: the messages are null or empty"
-            return
-        if (null := _null_message_field(msgs)) is not None:  # Parquet's structs hold nulls
-            errors[i] = f"input.messages_column: {null} is null"
             return
         if cfg.system_prompt and msgs[0].get("role") != "system":
             msgs = [{"role": "system", "content": cfg.system_prompt}] + msgs
@@ -79,12 +80,12 @@ def _text(cfg: InputConfig, rows: InputRows, i: int, plain: dict, convs: dict,
         plain[i] = prompt
 
 
-def _null_message_field(msgs: list[dict]) -> str | None:
-    """The first messages[j].role or messages[j].content that is null (a null message is left
-    out by the reader)."""
+def _null_message_field(msgs: list[dict | None]) -> str | None:
+    """The first messages[j].role or messages[j].content that is null (j counting the null
+    messages, which are left out)."""
     for j, m in enumerate(msgs):
         for name in ("role", "content"):
-            if m.get(name) is None:
+            if m is not None and m.get(name) is None:
                 return f"messages[{j}].{name}"
     return None
 

@@ -103,7 +103,7 @@ def scan(text: str) -> Records:
     """The records of a CSV file's text (its first record the header) that do not have the
     header's number of fields. ValueError naming the line where a record cannot be read: a
     quote never closed, a character after a closing quote (polars refuses both)."""
-    lines = text.split("\n")
+    lines = text.removeprefix("\ufeff").split("\n")  # a byte-order mark, as polars drops it
     if lines[-1] == "":
         lines.pop()
     reader = _reader(lines, len(text))

@@ -36,7 +36,8 @@ class InputRows:
 
     ids: the input id column, or an int64 row index when there is none.
     prompts: text per row; None where the cell is null (the engine makes that an error row).
-    messages: per row a list of {"role", "content"} dicts, or None where the cell is null.
+    messages: per row a list of {"role", "content"} dicts (None for a null message, which
+        rows/build.py leaves out), or None where the cell is null.
     overrides: per-row values of input columns named like sampling fields (None: job default).
     errors: rows found invalid while reading (row position -> why); they become error rows.
     prompts_as_is: the prompts skip the chat template (OpenAI /v1/completions requests).
@@ -44,7 +45,7 @@ class InputRows:
 
     ids: pa.Array
     prompts: list[str | None] | None
-    messages: list[list[dict] | None] | None
+    messages: list[list[dict | None] | None] | None
     overrides: dict[str, list]
     num_rows: int
     files: tuple[str, ...] = ()
@@ -122,10 +123,10 @@ def _strings(col: pa.ChunkedArray, field: str, name: str) -> list[str | None]:
     return col.to_pylist()
 
 
-def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict] | None]:
+def _messages(col: pa.ChunkedArray, name: str) -> list[list[dict | None] | None]:
     _check_messages(col.type, name)
-    return [None if row is None else [{"role": m["role"], "content": m["content"]}
-                                      for m in row if m is not None]
+    return [None if row is None else [None if m is None else
+                                      {"role": m["role"], "content": m["content"]} for m in row]
             for row in col.to_pylist()]
 
 

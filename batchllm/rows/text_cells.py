@@ -25,9 +25,10 @@ _MARKERS = [chr(c) for c in range(0xFDD0, 0xFDF0)]  # Unicode noncharacters: nev
 def mark_bad_bytes(data: bytes) -> tuple[str, str | None]:
     """(the text of `data` with each run of bytes that are not UTF-8 replaced by a marker
     character, the marker); the marker is None when `data` is valid UTF-8."""
-    text = data.decode("utf-8", "surrogateescape")
-    if not _SURROGATES.search(text):
-        return text, None
+    try:  # valid UTF-8 holds no surrogates: the strict decode is the whole check, in C
+        return data.decode("utf-8"), None
+    except UnicodeDecodeError:
+        text = data.decode("utf-8", "surrogateescape")
     marker = next((m for m in _MARKERS if m not in text), "\ufffd")
     return _SURROGATES.sub(marker, text), marker
 
