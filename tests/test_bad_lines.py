@@ -227,8 +227,8 @@ def test_ragged_csv_records_are_error_rows(tmp_path) -> None:
 def test_a_csv_record_cut_short_is_an_error_row_not_padded(tmp_path, spanning: bool) -> None:
     """polars reads a record with fewer fields than the header, or a blank line, padding it
     with nulls (the row ran on the job's defaults, or failed as a null prompt): it is an error
-    row naming its line, found from the lines of the rows with a null last cell, or, where a
-    cell spans lines, by reading every record. An empty last cell is no such record."""
+    row naming its line, found from the records of the rows with a null last cell (their lines
+    counted from the newlines earlier cells hold). An empty last cell is no such record."""
     first = '"Does clause 4\nallow subletting?"' if spanning else "Does clause 4 allow subletting?"
     path = tmp_path / "in.csv"
     path.write_text(f"prompt,max_tokens\n{first},2\nName a party.\n\nWho pays?,\n"
@@ -285,3 +285,11 @@ def test_a_byte_order_mark_before_a_quoted_header_is_not_part_of_it(tmp_path) ->
     assert rows.prompts == ["a\nb", None, "d"]
     assert rows.errors == {
         1: "input.prompt_column: CSV record on line 4 has 1 field, the header has 2"}
+
+
+def test_a_csv_of_numbers_alone_is_counted_with_its_short_record(tmp_path) -> None:
+    """A file with no text column (its cells' newlines are counted in text columns only) and a
+    record cut short: four rows, as `run` reads them."""
+    path = tmp_path / "in.csv"
+    path.write_text("a,b\n1,2\n3\n5,\n7,8\n")
+    assert count_rows(InputConfig(path=str(path))) == 4

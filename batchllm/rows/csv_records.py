@@ -72,31 +72,39 @@ def _reader(lines: list[str], longest: int):
 def may_be_short(frame, data: Callable[[], bytes | str]) -> bool:
     """Whether a record of a file that polars read (`frame`; `data()` the file's bytes or
     text) may have had fewer fields than the header, padded with nulls: False where the last
-    column has no null, or where no cell spans lines (then row r is line r + 2) and each line
-    of a row with a null there has the header's fields. True calls for `scan`."""
+    column has no null, or where each record of a row with a null there has the header's
+    fields, its lines found from the newlines its cells hold (a row's first line is the
+    header's lines, plus one per earlier row, plus the earlier rows' cells' newlines). True
+    calls for `scan` (also where those lines do not add up to the file's)."""
     import polars as pl
 
     if not frame.width or not frame[:, -1].null_count():
         return False
-    spans = frame.select(pl.col(pl.String).str.contains("\n", literal=True).any())
-    if any(spans.row(0) if spans.width else ()) or any("\n" in c for c in frame.columns):
-        return True
+    text = [c for c, t in frame.schema.items() if t == pl.String]
+    extra = np.zeros(frame.height, np.int64)  # [H] each row's lines past its first
+    if text:
+        extra += frame.select(pl.sum_horizontal(pl.col(text).str.count_matches(
+            "\n", literal=True).fill_null(0))).to_series().to_numpy()
+    first = (1 + sum(c.count("\n") for c in frame.columns) + np.arange(frame.height)
+             + np.concatenate(([0], np.cumsum(extra)[:-1])))  # [H] each row's first line
     raw = data()
     raw = raw if isinstance(raw, bytes) else raw.encode("utf-8", "surrogateescape")
     ends = np.flatnonzero(np.frombuffer(raw, np.uint8) == ord("\n"))
     if raw and not raw.endswith(b"\n"):
         ends = np.append(ends, len(raw))
-    if len(ends) != frame.height + 1:
+    if len(ends) != first[-1] + extra[-1] + 1:
         return True
     starts = np.concatenate(([0], ends[:-1] + 1))
-    rows = frame[:, -1].is_null().arg_true().to_numpy() + 1  # their lines, from 0
-    lines = [raw[a:b].decode("utf-8", "replace")
-             for a, b in zip(starts[rows].tolist(), ends[rows].tolist(), strict=True)]
+    rows = frame[:, -1].is_null().arg_true().to_numpy()
+    lines = []
+    for a, b in zip(starts[first[rows]].tolist(), ends[(first + extra)[rows]].tolist(),
+                    strict=True):
+        lines += raw[a:b].decode("utf-8", "replace").split("\n")
     try:
         fields = [len(f) for f in _reader(lines, len(raw))]
     except csv.Error:
         return True
-    return fields != [frame.width] * len(lines)
+    return fields != [frame.width] * len(rows)
 
 
 def scan(text: str) -> Records:
