@@ -96,15 +96,19 @@ def may_be_short(frame, data: Callable[[], bytes | str]) -> bool:
         return True
     starts = np.concatenate(([0], ends[:-1] + 1))
     rows = frame[:, -1].is_null().arg_true().to_numpy()
-    lines = []
+    lines, quoted = [], 0  # the records with a quote, read by the csv module
     for a, b in zip(starts[first[rows]].tolist(), ends[(first + extra)[rows]].tolist(),
                     strict=True):
-        lines += raw[a:b].decode("utf-8", "replace").split("\n")
+        if raw.find(b'"', a, b) >= 0:
+            lines += raw[a:b].decode("utf-8", "replace").split("\n")
+            quoted += 1
+        elif a == b or raw.count(b",", a, b) + 1 != frame.width:  # a blank line has no field
+            return True
     try:
         fields = [len(f) for f in _reader(lines, len(raw))]
     except csv.Error:
         return True
-    return fields != [frame.width] * len(rows)
+    return fields != [frame.width] * quoted
 
 
 def scan(text: str) -> Records:
