@@ -211,10 +211,11 @@ def token_pieces(tokenizer):
     spm = alphabet is None and kinds <= _SENTENCEPIECE  # (no decoder: kinds is {None})
     added = set(backend.get_added_tokens_decoder()) if alphabet or spm else set()
 
+    anchor = backend.decoder.decode(["a"]) if spm else ""  # another token, decoded alone
+
     def after_another(raw: str) -> str | None:
         """The token's text decoded after another token's (no start to strip), by the
         backend's own decoder; None where that other token's text does not stay in front."""
-        anchor = backend.decoder.decode(["a"])
         both = backend.decoder.decode(["a", raw])
         return both[len(anchor):] if both.startswith(anchor) else None
 

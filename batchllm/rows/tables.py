@@ -20,6 +20,7 @@ refuses or pads, is reported the same way, naming its line (rows/csv_records.py)
 
 from __future__ import annotations
 
+import functools
 import json
 
 import pyarrow as pa
@@ -64,6 +65,15 @@ def _unreadable(file: str, fmt: str, e: BaseException) -> ConfigError:
 def _source_bytes(file: str) -> bytes:
     with storage.open_bytes(file) as f:
         return f.read()
+
+
+def _text_column(kinds: Kinds) -> str:
+    """The column of the prompts or messages ("" where kinds names none)."""
+    return next((c for c, k in kinds.items() if k in ("text", "messages")), "")
+
+
+def _id_column(kinds: Kinds) -> str | None:
+    return next((c for c, k in kinds.items() if k == "id"), None)
 
 
 def _csv(source: str | bytes, kinds: Kinds):
@@ -130,7 +140,7 @@ def _json_lines(text: str, kinds: Kinds) -> tuple[pa.Table, BadCells, list[str]]
     values: dict[str, list] = {name: [] for name in kinds}
     names: dict[str, None] = {}
     bad: BadCells = {}
-    text_column = next((c for c, k in kinds.items() if k in ("text", "messages")), "")
+    text_column = _text_column(kinds)
     broken = None  # the first line that is not a JSON object: (its number, why)
     row = 0
     for number, line in enumerate(text.split("\n"), 1):
@@ -162,7 +172,7 @@ def _json_lines(text: str, kinds: Kinds) -> tuple[pa.Table, BadCells, list[str]]
                     bad.setdefault(row, (name, wrong or deep[name]))
             values[name].append(v)
         row += 1
-    id_column = next((c for c, k in kinds.items() if k == "id"), None)
+    id_column = _id_column(kinds)
     if broken is not None and id_column in names:
         raise ValueError(f"line {broken[0]} {broken[1]}, so the row's {id_column!r} is unknown")
     arrays = {}
@@ -209,30 +219,29 @@ def _csv_table(file: str, kinds: Kinds) -> tuple[pa.Table, str | None, BadCells]
     refuses it, or a null in the last column may be a record cut short, it is read around the
     records whose field count is not the header's (rows/csv_records.py)."""
     frame = error = text = marker = None
+    raw = functools.cache(lambda: _source_bytes(file))  # read here once at most
     try:
         frame = _csv(file, kinds)
     except Exception as e:  # noqa: BLE001 - polars raises its own kinds
         error = e
-        text, marker = mark_bad_bytes(_source_bytes(file))
+        text, marker = mark_bad_bytes(raw())
         if marker is not None:
             try:
                 frame = _csv(text.encode(), kinds)
             except Exception:  # noqa: BLE001, S110 - ragged too, perhaps: read around below
                 pass
     if frame is not None and not csv_records.may_be_short(
-            frame, lambda: text if text is not None else _source_bytes(file)):
+            frame, lambda: text if text is not None else raw()):
         return frame.to_arrow(), marker, {}
     if text is None:
-        text, marker = mark_bad_bytes(_source_bytes(file))
-    id_column = next((c for c, k in kinds.items() if k == "id"), None)
+        text, marker = mark_bad_bytes(raw())
     got = csv_records.read_around(text, lambda kept: _csv(kept.encode(), kinds).to_arrow(),
-                                  None if frame is None else frame.height, id_column)
+                                  None if frame is None else frame.height, _id_column(kinds))
     if got is None:  # no ragged record, or none that polars and the csv module agree on
         if frame is None:
             raise error
         return frame.to_arrow(), marker, {}
-    text_column = next((c for c, k in kinds.items() if k in ("text", "messages")), "")
-    return got[0], marker, {row: (text_column, why) for row, why in got[1].items()}
+    return got[0], marker, {row: (_text_column(kinds), why) for row, why in got[1].items()}
 
 
 def read_table(file: str, fmt: str, wanted: list[str | None], kinds: Kinds,
